@@ -1,0 +1,413 @@
+"""Configs as data: frozen dataclasses loaded from YAML, with dotted ``key=value`` overrides.
+
+Every architectural choice of K3, K2 (DeepSeek-V3 layout) and Kimi Linear is a field here, so one
+code path covers all three. ``load_config("k3")`` reads ``configs/k3.yaml``; a path to any YAML file
+works too. Unknown keys, typos and inconsistent values fail at load time with a message that names
+the field (and suggests the closest valid name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a valid model; the message names the offending field."""
+
+
+def _check(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (SPEC §2)."""
+
+    num_heads: int = 4
+    head_dim: int = 32  # K = V
+    conv_size: int = 4  # short causal depthwise conv width; 0 disables it
+    gate: Literal["lower_bound", "softplus"] = "lower_bound"
+    gate_lower_bound: float = -5.0
+    gate_rank: int = 0  # low-rank forget-gate projection d -> r -> H*K; 0 means r = head_dim
+    output_gate: Literal["full", "low_rank", "none"] = "full"
+    chunk_size: int = 64
+    norm_eps: float = 1e-5
+
+    def validate(self, prefix: str) -> None:
+        _check(self.num_heads > 0, f"{prefix}.num_heads", "must be positive")
+        _check(self.head_dim > 0, f"{prefix}.head_dim", "must be positive")
+        _check(self.conv_size >= 0, f"{prefix}.conv_size", "must be >= 0")
+        _check(self.gate in ("lower_bound", "softplus"), f"{prefix}.gate",
+               f"must be 'lower_bound' or 'softplus', got {self.gate!r}")
+        _check(self.gate_lower_bound < 0, f"{prefix}.gate_lower_bound", "must be negative")
+        _check(self.gate_rank >= 0, f"{prefix}.gate_rank", "must be >= 0")
+        _check(self.output_gate in ("full", "low_rank", "none"), f"{prefix}.output_gate",
+               f"must be 'full', 'low_rank' or 'none', got {self.output_gate!r}")
+        _check(self.chunk_size > 0, f"{prefix}.chunk_size", "must be positive")
+
+    @property
+    def rank(self) -> int:
+        return self.gate_rank or self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig:
+    """YaRN RoPE scaling as in DeepSeek-V3 / Kimi K2 (factor 1 = plain RoPE)."""
+
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Gated multi-head latent attention (SPEC §3)."""
+
+    num_heads: int = 4
+    q_lora_rank: int = 64  # 0: plain query projection (Kimi Linear)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    rope: Literal["none", "rope", "yarn"] = "none"  # "none" = NoPE: rope dims kept, never rotated
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True  # DeepSeek-V3 checkpoints store rope dims interleaved
+    yarn: YarnConfig = YarnConfig()
+    output_gate: bool = True  # sigmoid gate d -> H*v before o_proj (K3)
+    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm
+
+    def validate(self, prefix: str) -> None:
+        for f in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
+        _check(self.q_lora_rank >= 0, f"{prefix}.q_lora_rank", "must be >= 0")
+        _check(self.qk_rope_head_dim >= 0, f"{prefix}.qk_rope_head_dim", "must be >= 0")
+        _check(self.rope in ("none", "rope", "yarn"), f"{prefix}.rope",
+               f"must be 'none', 'rope' or 'yarn', got {self.rope!r}")
+        if self.rope != "none":
+            _check(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim > 0,
+                   f"{prefix}.qk_rope_head_dim", "must be a positive even number when rope is on")
+        if self.rope == "yarn":
+            _check(self.yarn.factor >= 1.0, f"{prefix}.yarn.factor", "must be >= 1")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """(Stable Latent)MoE (SPEC §5). ``latent_dim = 0`` gives a plain DeepSeek-style MoE."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    num_shared_experts: int = 1
+    expert_dim: int = 64  # routed (and each shared) expert's intermediate width
+    latent_dim: int = 0  # routed experts live in this width; 0 = no latent projection
+    latent_norm: bool = True  # RMSNorm on the weighted expert sum, before the up-projection
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = True  # selection-only balancing bias (Quantile Balancing state)
+    renormalize: bool = True  # p_i = s_i / sum_topk s
+    router_dtype: Literal["float32"] = "float32"
+
+    def validate(self, prefix: str) -> None:
+        _check(self.num_experts > 0, f"{prefix}.num_experts", "must be positive")
+        _check(0 < self.top_k <= self.num_experts, f"{prefix}.top_k",
+               f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        _check(self.num_shared_experts >= 0, f"{prefix}.num_shared_experts", "must be >= 0")
+        _check(self.expert_dim > 0, f"{prefix}.expert_dim", "must be positive")
+        _check(self.latent_dim >= 0, f"{prefix}.latent_dim", "must be >= 0")
+        _check(self.routed_scaling_factor > 0, f"{prefix}.routed_scaling_factor", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Block Attention Residuals (SPEC §4). ``enabled = False`` gives a plain pre-norm stack."""
+
+    enabled: bool = True
+    block_size: int = 12  # decoder layers per block; blocks close at layers 0, bs, 2bs, ...
+    eps: float = 1e-5
+
+    def validate(self, prefix: str) -> None:
+        _check(self.block_size > 0, f"{prefix}.block_size", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The decoder: layer layout, widths and the switches shared by every layer."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 8
+    # Layer layout: "hybrid" = layer i is MLA when (i + 1) % mla_period == 0 (plus the last layer if
+    # last_layer_mla); "mla" = all MLA (K2); "kda" = all KDA. ``mla_layers`` (0-based) overrides.
+    layout: Literal["hybrid", "mla", "kda"] = "hybrid"
+    mla_period: int = 4
+    last_layer_mla: bool = True
+    mla_layers: tuple[int, ...] | None = None
+    first_dense_layers: int = 1  # layers [0, n) use a dense FFN, the rest MoE
+    dense_ffn_dim: int = 256
+    activation: Literal["situ_glu", "swiglu"] = "situ_glu"
+    situ_beta: float = 4.0  # softcap of the gate branch
+    situ_linear_beta: float = 25.0  # softcap of the linear branch
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    max_seq_len: int = 4096
+    kda: KDAConfig = KDAConfig()
+    mla: MLAConfig = MLAConfig()
+    moe: MoEConfig = MoEConfig()
+    attn_res: AttnResConfig = AttnResConfig()
+    # Numerics and compilation.
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    scan_layers: bool = True
+    remat: Literal["none", "full", "dots"] = "none"
+
+    def validate(self, prefix: str = "model") -> None:
+        for f in ("vocab_size", "hidden_size", "num_layers", "dense_ffn_dim", "mla_period", "max_seq_len"):
+            _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
+        _check(self.layout in ("hybrid", "mla", "kda"), f"{prefix}.layout",
+               f"must be 'hybrid', 'mla' or 'kda', got {self.layout!r}")
+        _check(0 <= self.first_dense_layers <= self.num_layers, f"{prefix}.first_dense_layers",
+               f"must be in [0, num_layers={self.num_layers}]")
+        _check(self.activation in ("situ_glu", "swiglu"), f"{prefix}.activation",
+               f"must be 'situ_glu' or 'swiglu', got {self.activation!r}")
+        _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "must be float32 or bfloat16")
+        _check(self.param_dtype in ("float32", "bfloat16"), f"{prefix}.param_dtype",
+               "must be float32 or bfloat16")
+        _check(self.remat in ("none", "full", "dots"), f"{prefix}.remat", "must be none, full or dots")
+        if self.mla_layers is not None:
+            bad = [i for i in self.mla_layers if not 0 <= i < self.num_layers]
+            _check(not bad, f"{prefix}.mla_layers", f"indices {bad} out of range [0, {self.num_layers})")
+        if self.uses("kda"):
+            self.kda.validate(f"{prefix}.kda")
+        if self.uses("mla"):
+            self.mla.validate(f"{prefix}.mla")
+        if self.first_dense_layers < self.num_layers:
+            self.moe.validate(f"{prefix}.moe")
+        self.attn_res.validate(f"{prefix}.attn_res")
+
+    # Derived layout -------------------------------------------------------------------------
+    def mixer(self, i: int) -> Literal["kda", "mla"]:
+        """Token mixer of 0-based layer ``i``."""
+        if self.mla_layers is not None:
+            return "mla" if i in self.mla_layers else "kda"
+        if self.layout != "hybrid":
+            return self.layout
+        is_mla = (i + 1) % self.mla_period == 0 or (self.last_layer_mla and i == self.num_layers - 1)
+        return "mla" if is_mla else "kda"
+
+    def ffn(self, i: int) -> Literal["dense", "moe"]:
+        return "dense" if i < self.first_dense_layers else "moe"
+
+    def uses(self, mixer: str) -> bool:
+        return any(self.mixer(i) == mixer for i in range(self.num_layers))
+
+    @property
+    def num_attn_res_sources(self) -> int:
+        """Embedding + completed blocks + the running partial (the final readout's source count)."""
+        blocks = -(-self.num_layers // self.attn_res.block_size)  # blocks closed at 0, bs, ...
+        return blocks + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What the CPU demo in ``train.py`` needs; the training issue grows this."""
+
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    corpus: str = "bundled"
+    log_every: int = 20
+    out_dir: str = "runs/default"
+
+    def validate(self, prefix: str = "train") -> None:
+        for f in ("steps", "batch_size", "seq_len", "log_every"):
+            _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
+        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str = "custom"
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.train.validate("train")
+        _check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
+               f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from nested dicts with strict key checking.
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _from_dict(tp, value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (inner, _) = typing.get_args(tp)
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {tp} at {where}")
+
+
+def _from_dict(cls, data: dict, where: str):
+    types_ = _field_types(cls)
+    unknown = [k for k in data if k not in types_]
+    if unknown:
+        k = unknown[0]
+        close = difflib.get_close_matches(k, list(types_), n=1)
+        hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else ""
+        raise ConfigError(f"{where + '.' if where else ''}{k}: unknown key{hint} "
+                          f"(valid: {', '.join(sorted(types_))})")
+    kwargs = {k: _coerce(v, types_[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    """The config as plain nested dicts/lists (YAML- and JSON-serialisable)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
+    """``["model.moe.top_k=4", "train.steps=10"]`` -> nested dict (values parsed as YAML)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def resolve_path(name_or_path: str) -> pathlib.Path:
+    p = pathlib.Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        return p
+    p = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not p.exists():
+        names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown config {name_or_path!r}; named configs: {', '.join(names)}")
+    return p
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load ``configs/<name>.yaml`` (or a YAML path) and apply dotted ``key=value`` overrides.
+
+    A config may start with ``base: <name>`` to inherit another config and override some fields.
+    """
+    data = _load_yaml(resolve_path(name_or_path))
+    data.setdefault("name", pathlib.Path(name_or_path).stem)
+    data = _merge(data, parse_overrides(overrides))
+    cfg = _from_dict(Config, data, "")
+    cfg.validate()
+    return cfg
+
+
+def _load_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'base'")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    base = data.pop("base", None)
+    if base is not None:
+        parent = _load_yaml(resolve_path(base), seen + (path,))
+        parent.pop("name", None)
+        data = _merge(parent, data)
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    """Build and validate a Config from nested dicts (e.g. the ``to_dict`` of a saved run)."""
+    cfg = _from_dict(Config, data, "")
+    cfg.validate()
+    return cfg

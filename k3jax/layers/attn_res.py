@@ -1,0 +1,76 @@
+"""Block Attention Residuals (SPEC §4).
+
+Each sublayer mixes a list of source tensors with a softmax over depth, scored by a learned
+pseudo-query against the RMS-normalised sources: ``score_j = (gamma * w) . v_j / rms(v_j)``,
+``h = sum_j softmax_j(score) v_j`` (float32). The sources are the embedding, the completed block
+sums (the *bank*) and the running partial sum of the current block.
+
+The bank is a fixed-size buffer with a count of valid rows, so a scanned group of layers can close
+a block under a traced predicate and the compiled graph does not depend on where blocks close.
+Nothing here depends on other positions, so decoding needs no AttnRes cache: every token carries its
+own bank through the layers.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.initializers import constant
+
+
+class AttnResState(NamedTuple):
+    bank: jax.Array  # [S, B, T, d] completed block sums; row 0 is the embedding
+    num_blocks: jax.Array  # int32 scalar: how many bank rows are valid
+    partial: jax.Array  # [B, T, d] running sum of the current block
+
+
+def init_state(embedding: jax.Array, num_slots: int) -> AttnResState:
+    """The state before layer 0: an empty bank and the embedding as the partial sum."""
+    bank = jnp.zeros((num_slots,) + embedding.shape, embedding.dtype)
+    return AttnResState(bank, jnp.zeros((), jnp.int32), embedding)
+
+
+def sources(state: AttnResState) -> tuple[jax.Array, jax.Array]:
+    """``bank + [partial]`` as ``[S+1, B, T, d]`` and its validity mask ``[S+1]``."""
+    values = jnp.concatenate([state.bank, state.partial[None]], axis=0)
+    valid = jnp.append(jnp.arange(state.bank.shape[0]) < state.num_blocks, True)
+    return values, valid
+
+
+def close_block(state: AttnResState, close) -> AttnResState:
+    """If ``close``: push the partial sum into the bank and start an empty partial."""
+    n = jnp.minimum(state.num_blocks, state.bank.shape[0] - 1)
+    row = jnp.where(close, state.partial, state.bank[n])
+    bank = jax.lax.dynamic_update_index_in_dim(state.bank, row, n, axis=0)
+    partial = jnp.where(close, jnp.zeros_like(state.partial), state.partial)
+    return AttnResState(bank, state.num_blocks + jnp.asarray(close, jnp.int32), partial)
+
+
+def add(state: AttnResState, y: jax.Array) -> AttnResState:
+    return state._replace(partial=state.partial + y.astype(state.partial.dtype))
+
+
+def attn_res_mix(values: jax.Array, valid: jax.Array, query: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """Depth softmax. values ``[S, B, T, d]``, valid ``[S]``, query and gain ``[d]`` -> ``[B, T, d]``."""
+    vf = values.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(vf), axis=-1) + eps)  # [S, B, T]
+    cw = query.astype(jnp.float32) * gain.astype(jnp.float32)
+    scores = jnp.einsum("sbtd,d->sbt", vf, cw) * inv_rms
+    scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=0)
+    return jnp.einsum("sbt,sbtd->btd", p, vf).astype(values.dtype)
+
+
+class AttnResMix(nnx.Module):
+    """One sublayer's pseudo-query ``w`` (zero-initialised: a uniform average at init) and gain."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.eps = eps
+        self.query = constant(0.0, (dim,), ("embed",), param_dtype)
+        self.norm = constant(1.0, (dim,), ("embed",), param_dtype)
+
+    def __call__(self, state: AttnResState) -> jax.Array:
+        values, valid = sources(state)
+        return attn_res_mix(values, valid, self.query[...], self.norm[...], self.eps)

@@ -1,0 +1,29 @@
+"""Dense gated FFN (SiTU-GLU or SwiGLU): layer 0 of K3 and the shared experts."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.initializers import cast, normal
+from k3jax.ops.activations import glu
+
+
+class GatedFFN(nnx.Module):
+    """``(act(x @ W_gate, x @ W_up)) @ W_down`` with ``W_gate, W_up: (d, F)``, ``W_down: (F, d)``."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, *, rngs: nnx.Rngs):
+        d, pd, std = cfg.hidden_size, jnp.dtype(cfg.param_dtype), cfg.init_std
+        self.activation, self.beta, self.linear_beta = cfg.activation, cfg.situ_beta, cfg.situ_linear_beta
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.w_gate = normal(rngs, (d, hidden), ("embed", "mlp"), std, pd)
+        self.w_up = normal(rngs, (d, hidden), ("embed", "mlp"), std, pd)
+        self.w_down = normal(rngs, (hidden, d), ("mlp", "embed"), std, pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[B, T, d]`` -> ``[B, T, d]``."""
+        x = x.astype(self.dtype)
+        gate = jnp.einsum("btd,df->btf", x, cast(self.w_gate, self.dtype))
+        up = jnp.einsum("btd,df->btf", x, cast(self.w_up, self.dtype))
+        h = glu(gate, up, self.activation, self.beta, self.linear_beta)
+        return jnp.einsum("btf,fd->btd", h, cast(self.w_down, self.dtype))

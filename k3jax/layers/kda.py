@@ -1,0 +1,105 @@
+"""Kimi Delta Attention layer (SPEC §2).
+
+``q, k, v = silu(conv(x W))`` (q, k then L2-normalised per head), ``beta = sigmoid(x W_b)``, per-channel
+log-decay ``g`` from a low-rank projection through the lower-bounded sigmoid (K3) or softplus (Kimi
+Linear) gate, the gated delta rule, then ``(RMSNorm_head(o) * sigmoid(x W_g)) W_o``.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.initializers import cast, constant, normal, param, uniform
+from k3jax.ops.conv import causal_conv1d
+from k3jax.ops.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus
+from k3jax.ops.norms import l2_norm, rms_norm
+
+# fla's dt initialisation range for the softplus gate: dt ~ logU(1e-3, 1e-1), floor 1e-4.
+_DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
+# fla's A_log initialisation for the softplus gate: A ~ U(1, 16).
+_A_MIN, _A_MAX = 1.0, 16.0
+
+
+def _softplus_inverse_dt(rngs: nnx.Rngs, shape) -> jax.Array:
+    """fla's dt_bias init: softplus^-1(dt), dt ~ logU(1e-3, 1e-1) floored at 1e-4."""
+    dt = jnp.maximum(jnp.exp(uniform(rngs, shape, math.log(_DT_MIN), math.log(_DT_MAX))), _DT_FLOOR)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class KDA(nnx.Module):
+    """Parameters (H heads, K = V = head_dim, r = gate rank, W = conv width):
+    ``q_proj/k_proj/v_proj (d, H, K)``, ``q_conv/k_conv/v_conv (W, H, K)``, ``f_a (d, r)``,
+    ``f_b (r, H, K)``, ``A_log (H)``, ``dt_bias (H, K)``, ``b_proj (d, H)``, output gate
+    ``g_proj (d, H, K)`` (full) or ``g_a (d, r)`` + ``g_b (r, H, K)`` (low rank), ``o_norm (K)``,
+    ``o_proj (H, K, d)``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        c, d, pd, std = cfg.kda, cfg.hidden_size, jnp.dtype(cfg.param_dtype), cfg.init_std
+        h, k, r = c.num_heads, c.head_dim, c.rank
+        self.cfg, self.dtype = c, jnp.dtype(cfg.dtype)
+        hk = ("embed", "heads", "head_dim")
+        self.q_proj = normal(rngs, (d, h, k), hk, std, pd)
+        self.k_proj = normal(rngs, (d, h, k), hk, std, pd)
+        self.v_proj = normal(rngs, (d, h, k), hk, std, pd)
+        if c.conv_size:
+            conv_std = 1.0 / math.sqrt(c.conv_size)  # torch Conv1d default scale for fan_in = W
+            conv_axes = ("conv", "heads", "head_dim")
+            self.q_conv = normal(rngs, (c.conv_size, h, k), conv_axes, conv_std, pd)
+            self.k_conv = normal(rngs, (c.conv_size, h, k), conv_axes, conv_std, pd)
+            self.v_conv = normal(rngs, (c.conv_size, h, k), conv_axes, conv_std, pd)
+        self.f_a = normal(rngs, (d, r), ("embed", "gate_rank"), std, pd)
+        self.f_b = normal(rngs, (r, h, k), ("gate_rank", "heads", "head_dim"), std, pd)
+        if c.gate == "lower_bound":
+            make_a_log = lambda: jnp.zeros((h,), jnp.float32)  # fla's safe-gate init  # noqa: E731
+        else:
+            make_a_log = lambda: jnp.log(uniform(rngs, (h,), _A_MIN, _A_MAX))  # noqa: E731
+        self.A_log = param((h,), ("heads",), jnp.float32, make_a_log)
+        self.dt_bias = param((h, k), ("heads", "head_dim"), jnp.float32, lambda: _softplus_inverse_dt(rngs, (h, k)))
+        self.b_proj = normal(rngs, (d, h), ("embed", "heads"), std, pd)
+        if c.output_gate == "full":
+            self.g_proj = normal(rngs, (d, h, k), hk, std, pd)
+        elif c.output_gate == "low_rank":
+            self.g_a = normal(rngs, (d, r), ("embed", "gate_rank"), std, pd)
+            self.g_b = normal(rngs, (r, h, k), ("gate_rank", "heads", "head_dim"), std, pd)
+        self.o_norm = constant(1.0, (k,), ("head_dim",), pd)
+        self.o_proj = normal(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
+
+    def _short_conv(self, x: jax.Array, w: nnx.Param | None, segment_ids) -> jax.Array:
+        """silu(causal depthwise conv) of ``x [B, T, H, K]``."""
+        if w is None:
+            return jax.nn.silu(x)
+        b, t, h, k = x.shape
+        y, _ = causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k), segment_ids=segment_ids)
+        return jax.nn.silu(y).reshape(b, t, h, k)
+
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+        """x ``[B, T, d]`` -> ``[B, T, d]``; packed documents (segment_ids ``[B, T]``) are isolated."""
+        c, dt = self.cfg, self.dtype
+        x = x.astype(dt)
+        conv = c.conv_size > 0
+
+        def proj(w):
+            return jnp.einsum("btd,dhk->bthk", x, cast(w, dt))
+
+        q = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids)
+        k = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids)
+        v = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids)
+        q, k = l2_norm(q), l2_norm(k)
+        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.b_proj, dt)).astype(jnp.float32))
+        z = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.f_a, dt)), cast(self.f_b, dt))
+        z = z.astype(jnp.float32)
+        if c.gate == "lower_bound":
+            g = kda_gate_lower_bound(z, self.A_log[...], self.dt_bias[...], c.gate_lower_bound)
+        else:
+            g = kda_gate_softplus(z, self.A_log[...], self.dt_bias[...])
+        o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids)
+        o = rms_norm(o, self.o_norm[...], c.norm_eps)
+        if c.output_gate == "full":
+            o = o * jax.nn.sigmoid(proj(self.g_proj).astype(jnp.float32)).astype(dt)
+        elif c.output_gate == "low_rank":
+            gate = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.g_a, dt)), cast(self.g_b, dt))
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
+        return jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.o_proj, dt))

@@ -1,0 +1,67 @@
+"""Stable LatentMoE (SPEC §5): sigmoid router on the full-width input, routed experts in a latent
+width, RMSNorm on the weighted expert sum before the up-projection, shared experts on the full width.
+
+With ``moe.latent_dim = 0`` this is a plain DeepSeek-V3 / Kimi K2 MoE (no projections, no norm).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.ffn import GatedFFN
+from k3jax.layers.initializers import RouterBias, cast, constant, normal
+from k3jax.layers.norm import RMSNorm
+from k3jax.ops.moe import grouped_glu_experts, sigmoid_topk_route
+
+
+class LatentMoE(nnx.Module):
+    """Parameters: ``router (d, E)``, ``router_bias (E)`` (RouterBias state), ``down (d, L)``,
+    ``up (L, d)``, ``latent_norm (L)``, experts ``w_gate / w_up (E, L, F)``, ``w_down (E, F, L)``,
+    and ``shared`` (a GatedFFN of width ``F * num_shared``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m, d, pd, std = cfg.moe, cfg.hidden_size, jnp.dtype(cfg.param_dtype), cfg.init_std
+        self.cfg = m
+        self.activation, self.beta, self.linear_beta = cfg.activation, cfg.situ_beta, cfg.situ_linear_beta
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)
+        self.router_bias = constant(0.0, (m.num_experts,), ("expert",), jnp.float32, RouterBias) \
+            if m.router_bias else None
+        width = m.latent_dim or d
+        if m.latent_dim:
+            self.down = normal(rngs, (d, width), ("embed", "latent"), std, pd)
+            self.up = normal(rngs, (width, d), ("latent", "embed"), std, pd)
+            self.latent_norm = RMSNorm(width, cfg.norm_eps, param_dtype=pd) if m.latent_norm else None
+        e, f = m.num_experts, m.expert_dim
+        self.w_gate = normal(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd)
+        self.w_up = normal(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd)
+        self.w_down = normal(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd)
+        self.shared = GatedFFN(cfg, f * m.num_shared_experts, rngs=rngs) if m.num_shared_experts else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[B, T, d]`` -> ``[B, T, d]``."""
+        b, t, d = x.shape
+        m, dt = self.cfg, self.dtype
+        xf = x.reshape(b * t, d)
+        logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        bias = self.router_bias[...] if self.router_bias is not None else None
+        route = sigmoid_topk_route(logits, bias, m.top_k, renormalize=m.renormalize,
+                                   scaling_factor=m.routed_scaling_factor)
+        z = xf.astype(dt)
+        if m.latent_dim:
+            z = jnp.einsum("nd,dl->nl", z, cast(self.down, dt))
+        pair_out = grouped_glu_experts(z, route.experts, cast(self.w_gate, dt), cast(self.w_up, dt),
+                                       cast(self.w_down, dt), activation=self.activation, beta=self.beta,
+                                       linear_beta=self.linear_beta)
+        u = jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
+        if m.latent_dim:
+            if self.latent_norm is not None:
+                u = self.latent_norm(u)
+            y = jnp.einsum("nl,ld->nd", u.astype(dt), cast(self.up, dt))
+        else:
+            y = u.astype(dt)
+        y = y.reshape(b, t, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y

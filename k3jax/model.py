@@ -1,0 +1,235 @@
+"""The K3 decoder: embedding, the layer stack of SPEC §1, Block AttnRes readout, final norm, lm_head.
+
+Layers whose (mixer, FFN) pattern repeats with the layout period (``[KDA, KDA, KDA, MLA]`` for K3)
+are stacked into one parameter tree with a leading ``layers`` axis and run with ``jax.lax.scan``,
+so compile time does not grow with depth; the few layers outside the repeating run (the dense
+layer 0, the final MLA) are ordinary modules. ``model(tokens, ...)`` is the one forward function
+training and decoding share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers import attn_res
+from k3jax.layers.attn_res import AttnResMix
+from k3jax.layers.ffn import GatedFFN
+from k3jax.layers.initializers import abstract_init, cast, normal
+from k3jax.layers.kda import KDA
+from k3jax.layers.latent_moe import LatentMoE
+from k3jax.layers.mla import MLA
+from k3jax.layers.norm import RMSNorm
+
+LayerKind = tuple[str, str]  # (mixer, ffn), e.g. ("kda", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Which layers run unrolled and which are stacked and scanned.
+
+    ``prefix`` layers run first, then ``num_groups`` repetitions of ``group_kinds`` starting at layer
+    ``group_start``, then the ``suffix`` layers.
+    """
+
+    prefix: tuple[int, ...]
+    group_start: int
+    group_kinds: tuple[LayerKind, ...]
+    num_groups: int
+    suffix: tuple[int, ...]
+
+
+def layer_kind(cfg: ModelConfig, i: int) -> LayerKind:
+    return (cfg.mixer(i), cfg.ffn(i))
+
+
+def plan_layers(cfg: ModelConfig) -> LayerPlan:
+    """Find the longest periodic run of layers after the dense prefix (period = ``mla_period`` for a
+    hybrid layout, 1 for a uniform one) and scan it."""
+    n = cfg.num_layers
+    if not cfg.scan_layers:
+        return LayerPlan(tuple(range(n)), n, (), 0, ())
+    period = cfg.mla_period if cfg.layout == "hybrid" or cfg.mla_layers is not None else 1
+    kinds = [layer_kind(cfg, i) for i in range(n)]
+    best = (0, n)  # (num_groups, start)
+    for start in range(cfg.first_dense_layers, min(cfg.first_dense_layers + period, n)):
+        pattern = kinds[start:start + period]
+        groups = 0
+        while start + (groups + 1) * period <= n and kinds[start + groups * period:start + (groups + 1) * period] == pattern:
+            groups += 1
+        if groups > best[0]:
+            best = (groups, start)
+    groups, start = best
+    if groups < 2:  # nothing worth scanning
+        return LayerPlan(tuple(range(n)), n, (), 0, ())
+    end = start + groups * period
+    return LayerPlan(tuple(range(start)), start, tuple(kinds[start:start + period]), groups, tuple(range(end, n)))
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token within its packed document. segment_ids ``[B, T]`` -> ``[B, T]``."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm mixer + FFN, with either a plain residual or Block AttnRes around each sublayer."""
+
+    def __init__(self, cfg: ModelConfig, kind: LayerKind, *, rngs: nnx.Rngs):
+        mixer, ffn = kind
+        pd = jnp.dtype(cfg.param_dtype)
+        self.kind, self.attn_res = kind, cfg.attn_res
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.ffn = GatedFFN(cfg, cfg.dense_ffn_dim, rngs=rngs) if ffn == "dense" else LatentMoE(cfg, rngs=rngs)
+        if cfg.attn_res.enabled:
+            self.attn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
+            self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
+
+    def _mix(self, h, positions, segment_ids):
+        if self.kind[0] == "kda":
+            return self.mixer(self.attn_norm(h), segment_ids=segment_ids)
+        return self.mixer(self.attn_norm(h), positions=positions, segment_ids=segment_ids)
+
+    def __call__(self, carry, layer_idx, *, positions, segment_ids):
+        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on."""
+        if not self.attn_res.enabled:
+            h = carry + self._mix(carry, positions, segment_ids).astype(carry.dtype)
+            return h + self.ffn(self.ffn_norm(h)).astype(h.dtype)
+        state = carry
+        h = self.attn_res_mix(state)
+        state = attn_res.close_block(state, layer_idx % self.attn_res.block_size == 0)
+        state = attn_res.add(state, self._mix(h, positions, segment_ids))
+        h = self.ffn_res_mix(state)
+        return attn_res.add(state, self.ffn(self.ffn_norm(h)))
+
+
+class LayerGroup(nnx.Module):
+    """One period of the repeating layout, e.g. ``[KDA, KDA, KDA, MLA]``; stacked for the scan."""
+
+    def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
+
+    def __call__(self, carry, first_layer, **kw):
+        for j, layer in enumerate(self.layers):
+            carry = layer(carry, first_layer + j, **kw)
+        return carry
+
+
+def _stack(modules: list[nnx.Module]) -> nnx.Module:
+    """Stack identical modules into the first one: every leaf gets a leading ``layers`` axis (and
+    its logical axis names get ``layers`` prepended), ready for ``jax.lax.scan``."""
+    per_module = [[v for _, v in nnx.iter_graph(m) if isinstance(v, nnx.Variable)] for m in modules]
+    for same in zip(*per_module):
+        head = same[0]
+        values = [v.get_raw_value() for v in same]
+        if isinstance(values[0], jax.ShapeDtypeStruct):
+            stacked = jax.ShapeDtypeStruct((len(values),) + values[0].shape, values[0].dtype)
+        else:
+            stacked = jnp.stack(values)
+        head.set_raw_value(stacked)
+        if head.has_metadata("out_sharding"):
+            head.set_metadata(out_sharding=("layers",) + tuple(head.get_metadata()["out_sharding"]))
+    return modules[0]
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a group; recompute it in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class K3Model(nnx.Module):
+    """Parameters: ``embed (V, d)``, the layers, ``final_res_mix`` (AttnRes readout), ``final_norm``,
+    ``lm_head (d, V)`` (absent when ``tie_embeddings``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.plan = plan = plan_layers(cfg)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embed = normal(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.init_std, pd)
+        self.prefix = nnx.List([DecoderLayer(cfg, layer_kind(cfg, i), rngs=rngs) for i in plan.prefix])
+        self.groups = _stack([LayerGroup(cfg, plan.group_kinds, rngs=rngs) for _ in range(plan.num_groups)]) \
+            if plan.num_groups else None
+        self.suffix = nnx.List([DecoderLayer(cfg, layer_kind(cfg, i), rngs=rngs) for i in plan.suffix])
+        if cfg.attn_res.enabled:
+            self.final_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = normal(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+
+    def _run_groups(self, carry, kw):
+        plan, cfg = self.plan, self.cfg
+        graphdef, stacked = nnx.split(self.groups)
+        period = len(plan.group_kinds)
+        starts = plan.group_start + period * jnp.arange(plan.num_groups, dtype=jnp.int32)
+
+        def body(carry, xs):
+            state, first_layer = xs
+            return nnx.merge(graphdef, state)(carry, first_layer, **kw), None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        carry, _ = jax.lax.scan(body, carry, (stacked, starts))
+        return carry
+
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any]:
+        """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, cache).
+
+        ``segment_ids [B, T]`` marks packed documents, which never see each other (KDA state, conv
+        window and MLA are all reset at document starts). ``positions`` default to the position
+        within each document.
+        """
+        if cache is not None:
+            raise NotImplementedError("decoding caches arrive with the inference issue")
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        if positions is None:
+            positions = (segment_positions(segment_ids) if segment_ids is not None
+                         else jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape))
+        kw = dict(positions=positions, segment_ids=segment_ids)
+        x = jnp.take(cast(self.embed, dt), tokens, axis=0)
+        carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
+        for layer, i in zip(self.prefix, self.plan.prefix):
+            carry = layer(carry, i, **kw)
+        if self.groups is not None:
+            carry = self._run_groups(carry, kw)
+        for layer, i in zip(self.suffix, self.plan.suffix):
+            carry = layer(carry, i, **kw)
+        h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
+        h = self.final_norm(h)
+        head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
+        logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
+        return logits, None
+
+
+def _no_eager_sharding():
+    # Params carry logical axis names; they are resolved to a mesh only by the sharding code.
+    return nnx.use_eager_sharding(False)
+
+
+def create_model(cfg: ModelConfig, *, seed: int = 0) -> K3Model:
+    """A randomly initialised model on the default device (initialised under one jit: eager
+    initialisation would compile one tiny program per parameter shape)."""
+    with _no_eager_sharding():
+        return K3Model(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> K3Model:
+    """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes, nothing allocated."""
+    with _no_eager_sharding(), abstract_init():
+        return K3Model(cfg, rngs=nnx.Rngs(0))
+
+
+__all__ = ["K3Model", "LayerPlan", "abstract_model", "create_model", "plan_layers", "segment_positions"]
