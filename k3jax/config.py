@@ -121,6 +121,10 @@ class MoEConfig:
     router_bias: bool = True  # selection-only balancing bias (Quantile Balancing state)
     renormalize: bool = True  # p_i = s_i / sum_topk s
     router_dtype: Literal["float32"] = "float32"
+    # Quantile Balancing of the router bias (k3jax/quantile_balancing.py).
+    balancing: Literal["quantile", "none"] = "quantile"
+    qb_method: Literal["exact", "histogram"] = "histogram"
+    qb_bins: int = 256
 
     def validate(self, prefix: str) -> None:
         _check(self.num_experts > 0, f"{prefix}.num_experts", "must be positive")
@@ -130,6 +134,9 @@ class MoEConfig:
         _check(self.expert_dim > 0, f"{prefix}.expert_dim", "must be positive")
         _check(self.latent_dim >= 0, f"{prefix}.latent_dim", "must be >= 0")
         _check(self.routed_scaling_factor > 0, f"{prefix}.routed_scaling_factor", "must be positive")
+        _check(self.qb_bins > 1, f"{prefix}.qb_bins", "must be > 1")
+        if self.balancing == "quantile":
+            _check(self.router_bias, f"{prefix}.balancing", "quantile balancing needs router_bias: true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,25 +231,74 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Per-head Muon for matrices + AdamW for the rest (SPEC §6), schedule and clipping."""
+
+    learning_rate: float = 3e-3  # Muon peak LR (the 0.2*sqrt(max(rows, cols)) scale matches AdamW RMS)
+    adam_learning_rate: float | None = None  # None: same as learning_rate
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_steps: int = 0  # WSD: length of the final decay; cosine: 0 = until the last step
+    end_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    muon_beta: float = 0.95
+    ns_steps: int = 5
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm; 0 disables
+    per_head_muon: bool = True  # False: whole-matrix Muon (ablation)
+    qk_clip_tau: float = 0.0  # K2 MuonClip threshold for MLA heads; 0 disables
+
+    def validate(self, prefix: str = "train.optim") -> None:
+        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "must be positive")
+        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        _check(0 <= self.end_lr_fraction <= 1, f"{prefix}.end_lr_fraction", "must be in [0, 1]")
+        _check(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
+        _check(self.ns_steps > 0, f"{prefix}.ns_steps", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from and how it becomes packed rows (k3jax/data)."""
+
+    source: str = "bundled"  # "bundled" (the shipped public-domain corpus) or a local file / glob
+    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = "auto"
+    text_field: str = "text"  # jsonl / parquet column
+    tokenizer: str = "byte"  # "byte", a tokenizer.json path, or a tiktoken model path
+    shuffle: bool = True
+    num_epochs: int | None = None  # None: repeat forever
+    eval_fraction: float = 0.01  # held-out documents for the eval loss
+
+    def validate(self, prefix: str = "train.data") -> None:
+        _check(0 <= self.eval_fraction < 1, f"{prefix}.eval_fraction", "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """What the CPU demo in ``train.py`` needs; the training issue grows this."""
+    """The training run: ``python train.py --config NAME key=value ...``."""
 
     steps: int = 200
-    batch_size: int = 8
+    batch_size: int = 8  # global rows per optimizer step
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
     seq_len: int = 128
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
     seed: int = 0
-    corpus: str = "bundled"
     log_every: int = 20
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
     out_dir: str = "runs/default"
+    z_loss: float = 0.0
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
 
     def validate(self, prefix: str = "train") -> None:
-        for f in ("steps", "batch_size", "seq_len", "log_every"):
+        for f in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "checkpoint_every"):
             _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
-        _check(self.learning_rate > 0, f"{prefix}.learning_rate", "must be positive")
+        _check(self.batch_size % self.grad_accum == 0, f"{prefix}.grad_accum",
+               f"must divide batch_size={self.batch_size}")
+        self.optim.validate(f"{prefix}.optim")
+        self.data.validate(f"{prefix}.data")
 
 
 @dataclasses.dataclass(frozen=True)

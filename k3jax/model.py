@@ -99,17 +99,24 @@ class DecoderLayer(nnx.Module):
             return self.mixer(self.attn_norm(h), segment_ids=segment_ids)
         return self.mixer(self.attn_norm(h), positions=positions, segment_ids=segment_ids)
 
-    def __call__(self, carry, layer_idx, *, positions, segment_ids):
-        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on."""
+    def _ffn(self, h, token_mask):
+        if self.kind[1] == "dense":
+            return self.ffn(self.ffn_norm(h)), None
+        return self.ffn(self.ffn_norm(h), token_mask=token_mask)
+
+    def __call__(self, carry, layer_idx, *, positions, segment_ids, token_mask):
+        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on.
+        Returns (carry, router statistics or None)."""
         if not self.attn_res.enabled:
             h = carry + self._mix(carry, positions, segment_ids).astype(carry.dtype)
-            return h + self.ffn(self.ffn_norm(h)).astype(h.dtype)
+            y, stats = self._ffn(h, token_mask)
+            return h + y.astype(h.dtype), stats
         state = carry
         h = self.attn_res_mix(state)
         state = attn_res.close_block(state, layer_idx % self.attn_res.block_size == 0)
         state = attn_res.add(state, self._mix(h, positions, segment_ids))
-        h = self.ffn_res_mix(state)
-        return attn_res.add(state, self.ffn(self.ffn_norm(h)))
+        y, stats = self._ffn(self.ffn_res_mix(state), token_mask)
+        return attn_res.add(state, y), stats
 
 
 class LayerGroup(nnx.Module):
@@ -119,9 +126,11 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
 
     def __call__(self, carry, first_layer, **kw):
+        stats = []
         for j, layer in enumerate(self.layers):
-            carry = layer(carry, first_layer + j, **kw)
-        return carry
+            carry, st = layer(carry, first_layer + j, **kw)
+            stats.append(st)
+        return carry, tuple(stats)
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -174,44 +183,56 @@ class K3Model(nnx.Module):
 
         def body(carry, xs):
             state, first_layer = xs
-            return nnx.merge(graphdef, state)(carry, first_layer, **kw), None
+            return nnx.merge(graphdef, state)(carry, first_layer, **kw)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        carry, _ = jax.lax.scan(body, carry, (stacked, starts))
-        return carry
+        return jax.lax.scan(body, carry, (stacked, starts))
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any]:
         """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, cache).
 
         ``segment_ids [B, T]`` marks packed documents, which never see each other (KDA state, conv
-        window and MLA are all reset at document starts). ``positions`` default to the position
-        within each document.
+        window and MLA are all reset at document starts); id 0 marks padding. ``positions`` default
+        to the position within each document.
         """
+        logits, cache, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions, cache=cache)
+        return logits, cache
+
+    def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any, dict]:
+        """Like ``__call__``, plus the Quantile Balancing statistics of every MoE layer, keyed by the
+        path of that layer's ``router_bias`` in the model (see ``quantile_balancing.apply``)."""
         if cache is not None:
             raise NotImplementedError("decoding caches arrive with the inference issue")
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
         if positions is None:
             positions = (segment_positions(segment_ids) if segment_ids is not None
                          else jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape))
-        kw = dict(positions=positions, segment_ids=segment_ids)
+        token_mask = None if segment_ids is None else segment_ids != 0
+        kw = dict(positions=positions, segment_ids=segment_ids, token_mask=token_mask)
+        stats = {}
         x = jnp.take(cast(self.embed, dt), tokens, axis=0)
         carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
-        for layer, i in zip(self.prefix, self.plan.prefix):
-            carry = layer(carry, i, **kw)
+        for j, (layer, i) in enumerate(zip(self.prefix, self.plan.prefix)):
+            carry, stats[("prefix", j, "ffn", "router_bias")] = layer(carry, i, **kw)
         if self.groups is not None:
-            carry = self._run_groups(carry, kw)
-        for layer, i in zip(self.suffix, self.plan.suffix):
-            carry = layer(carry, i, **kw)
+            carry, group_stats = self._run_groups(carry, kw)
+            for j, st in enumerate(group_stats):
+                stats[("groups", "layers", j, "ffn", "router_bias")] = st
+        for j, (layer, i) in enumerate(zip(self.suffix, self.plan.suffix)):
+            carry, stats[("suffix", j, "ffn", "router_bias")] = layer(carry, i, **kw)
         h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
         h = self.final_norm(h)
         head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
         logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
-        return logits, None
+        return logits, None, {k: v for k, v in stats.items() if v is not None}
 
 
 def _no_eager_sharding():

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import quantile_balancing as qb
 from k3jax.config import ModelConfig
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import RouterBias, cast, constant, normal
@@ -39,8 +40,11 @@ class LatentMoE(nnx.Module):
         self.w_down = normal(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd)
         self.shared = GatedFFN(cfg, f * m.num_shared_experts, rngs=rngs) if m.num_shared_experts else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x ``[B, T, d]`` -> ``[B, T, d]``."""
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None):
+        """x ``[B, T, d]`` -> (``[B, T, d]``, Quantile Balancing statistics or None).
+
+        token_mask ``[B, T]`` (True = real token) keeps padding out of the balancing statistics.
+        """
         b, t, d = x.shape
         m, dt = self.cfg, self.dtype
         xf = x.reshape(b * t, d)
@@ -64,4 +68,9 @@ class LatentMoE(nnx.Module):
         y = y.reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y
+        stats = None
+        if m.balancing == "quantile" and bias is not None:
+            mask = None if token_mask is None else token_mask.reshape(-1)
+            stats = qb.router_statistics(route.scores, route.threshold, bias, mask, method=m.qb_method,
+                                         num_bins=m.qb_bins)
+        return y, stats

@@ -1,0 +1,108 @@
+"""Quantile Balancing (SPEC §5): the router bias is *replaced* after every optimizer step.
+
+With raw sigmoid scores ``s [m, n]`` (m real tokens, n experts, top-k) and the bias ``b`` the forward
+pass routed with, ``alpha_i`` is the (k+1)-th largest of ``s_i + b``. The new bias is
+``b_j = -quantile_{1-k/n}(s[:, j] - alpha)`` = minus the (q+1)-th largest margin of expert j, with
+``q = floor(m k / n)`` (its fair share of tokens), then centred (top-k is invariant to a common
+offset). No step size, no EMA, no auxiliary loss.
+
+Statistics are gathered in the forward pass and are *mergeable*, so micro-batches of a gradient
+accumulation step and data-parallel shards pool into the statistics of the global batch:
+
+- ``exact``: every real token's margins ``[m, n]`` (merge = concatenate). Exact; memory ``m * n``.
+- ``histogram``: per-expert counts of the margins in ``num_bins`` equal bins over a range fixed by
+  the current bias (merge = add, i.e. one all-reduce of ``[n, num_bins]``). The quantile is
+  interpolated inside its bin, so its error is below one bin width ``(2 + span(b)) / num_bins``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ExactStats(NamedTuple):
+    margins: jax.Array  # [m, n] s_ij - alpha_i; -inf rows for padding tokens
+    num_tokens: jax.Array  # [] float32 real tokens
+
+
+class HistogramStats(NamedTuple):
+    counts: jax.Array  # [n, num_bins] float32
+    num_tokens: jax.Array  # [] float32
+    low: jax.Array  # [] float32 lower edge of bin 0
+    high: jax.Array  # [] float32 upper edge of the last bin
+
+
+def margin_range(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Bounds of ``s - alpha`` for ``s`` in (0, 1): alpha lies in (min b, 1 + max b)."""
+    return -1.0 - jnp.max(bias), 1.0 - jnp.min(bias)
+
+
+def router_statistics(scores: jax.Array, threshold: jax.Array, bias: jax.Array, token_mask: jax.Array | None,
+                      *, method: str = "exact", num_bins: int = 256) -> ExactStats | HistogramStats:
+    """Statistics of one forward pass. scores ``[N, n]``, threshold (alpha) ``[N]``, bias ``[n]``,
+    token_mask ``[N]`` (True = real token) or None."""
+    mask = jnp.ones(scores.shape[:1], bool) if token_mask is None else token_mask
+    margins = scores - threshold[:, None]
+    num_tokens = jnp.sum(mask).astype(jnp.float32)
+    if method == "exact":
+        return ExactStats(jnp.where(mask[:, None], margins, -jnp.inf), num_tokens)
+    if method == "histogram":
+        low, high = margin_range(bias.astype(jnp.float32))
+        width = (high - low) / num_bins
+        idx = jnp.clip(jnp.floor((margins - low) / width).astype(jnp.int32), 0, num_bins - 1)  # [N, n]
+        onehot = jax.nn.one_hot(idx, num_bins, dtype=jnp.float32) * mask[:, None, None]
+        return HistogramStats(jnp.sum(onehot, axis=0), num_tokens, low, high)
+    raise ValueError(f"unknown quantile balancing method {method!r}")
+
+
+def merge(a, b):
+    """Pool the statistics of two micro-batches (same bias, hence the same histogram range)."""
+    if isinstance(a, ExactStats):
+        return ExactStats(jnp.concatenate([a.margins, b.margins], axis=-2), a.num_tokens + b.num_tokens)
+    return HistogramStats(a.counts + b.counts, a.num_tokens + b.num_tokens, a.low, a.high)
+
+
+def new_bias(stats: ExactStats | HistogramStats, top_k: int) -> jax.Array:
+    """The replacement bias ``[n]`` (centred) from pooled statistics."""
+    if isinstance(stats, ExactStats):
+        num_experts = stats.margins.shape[-1]
+        q = jnp.floor(stats.num_tokens * top_k / num_experts).astype(jnp.int32)
+        ranked = -jnp.sort(-stats.margins, axis=-2)  # descending over tokens
+        quantile = jnp.take(ranked, jnp.minimum(q, ranked.shape[-2] - 1), axis=-2)
+    else:
+        counts = stats.counts
+        num_experts, num_bins = counts.shape
+        q = jnp.floor(stats.num_tokens * top_k / num_experts)
+        # Bins from the top: the (q+1)-th largest lies in the first bin where the count of margins
+        # at or above its lower edge reaches q + 1; interpolate linearly inside that bin.
+        above = jnp.cumsum(counts[:, ::-1], axis=-1)[:, ::-1]  # [n, B] count of margins >= bin low edge
+        target = q + 1.0
+        bin_idx = jnp.sum(above >= target, axis=-1) - 1  # highest bin whose lower edge has >= q+1 above
+        bin_idx = jnp.clip(bin_idx, 0, num_bins - 1)
+        above_next = jnp.where(bin_idx + 1 < num_bins,
+                               jnp.take_along_axis(jnp.pad(above, ((0, 0), (0, 1))), bin_idx[:, None] + 1, -1)[:, 0],
+                               0.0)
+        in_bin = jnp.take_along_axis(counts, bin_idx[:, None], -1)[:, 0]
+        width = (stats.high - stats.low) / num_bins
+        frac = jnp.where(in_bin > 0, (target - above_next) / jnp.maximum(in_bin, 1.0), 0.5)
+        quantile = stats.low + (bin_idx + 1.0 - jnp.clip(frac, 0.0, 1.0)) * width
+    b = -quantile
+    return b - jnp.mean(b)
+
+
+def apply(model, stats: dict, top_k: int) -> None:
+    """Replace every router bias of ``model`` in place from the statistics ``model.forward``
+    returned (keyed by the bias's path; stacked layers carry a leading group axis)."""
+    from flax import nnx  # local: keep this module importable without the model
+
+    for path, var in nnx.iter_graph(model):
+        st = stats.get(tuple(path))
+        if st is None or not isinstance(var, nnx.Variable):
+            continue
+        update = new_bias
+        for _ in range(var[...].ndim - 1):  # stacked (scanned) layers
+            update = jax.vmap(update, in_axes=(0, None))
+        var[...] = update(st, top_k).astype(var[...].dtype)

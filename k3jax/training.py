@@ -1,0 +1,125 @@
+"""The training step: loss, gradient accumulation, optimizer update, Quantile Balancing, NaN guard.
+
+One ``jax.jit``-ed function over the split NNX state (``graphdef`` static, state donated). It calls
+the same ``model.forward`` that prefill and decoding use.
+"""
+
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from k3jax import quantile_balancing as qb
+from k3jax.config import Config
+from k3jax.model import K3Model
+
+
+class TrainState(nnx.Module):
+    """The model, its optimizer state and the step counter."""
+
+    def __init__(self, model: K3Model, tx: optax.GradientTransformation):
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.skipped = nnx.Variable(jnp.zeros((), jnp.int32))  # updates skipped by the NaN guard
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float = 0.0):
+    """Summed cross entropy (+ z-loss) and the number of counted tokens.
+
+    logits ``[B, T, V]`` float32, targets ``[B, T]`` int (negative = none), loss_mask ``[B, T]``.
+    """
+    mask = loss_mask.astype(jnp.float32) * (targets >= 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    nll = lse - target_logit
+    total = jnp.sum(nll * mask)
+    if z_loss:
+        total = total + z_loss * jnp.sum(jnp.square(lse) * mask)
+    return total, jnp.sum(mask), jnp.sum(nll * mask)
+
+
+def _micro_batches(batch: dict, n: int) -> dict:
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def _merge_stacked_stats(stats: dict) -> dict:
+    """Pool Quantile Balancing statistics of stacked micro-batches (leading axis)."""
+    def pool(st):
+        if isinstance(st, qb.ExactStats):
+            m = st.margins  # [A, ..., N, E] -> [..., A*N, E]
+            m = jnp.moveaxis(m, 0, -3)
+            return qb.ExactStats(m.reshape(m.shape[:-3] + (-1, m.shape[-1])), jnp.sum(st.num_tokens, 0))
+        return qb.HistogramStats(jnp.sum(st.counts, 0), jnp.sum(st.num_tokens, 0), st.low[0], st.high[0])
+
+    return {k: pool(v) for k, v in stats.items()}
+
+
+def make_train_step(graphdef, cfg: Config):
+    """``step(state, batch) -> (state, metrics)`` over the split TrainState, jitted with donation.
+
+    batch: numpy/jax dict with ``tokens, segment_ids, positions, targets, loss_mask`` of shape
+    ``[batch_size, seq_len]``; split into ``train.grad_accum`` micro-batches.
+    """
+    accum, z_loss = cfg.train.grad_accum, cfg.train.z_loss
+    top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
+
+    def micro_loss(params, rest, model_def, mb):
+        model = nnx.merge(model_def, params, rest)
+        logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"])
+        total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
+        return total, (count, nll, stats)
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+        ts = nnx.merge(graphdef, state)
+        model_def, params, rest = nnx.split(ts.model, nnx.Param, ...)
+
+        def body(carry, mb):
+            g_acc, count_acc, nll_acc = carry
+            g, (count, nll, stats) = grad_fn(params, rest, model_def, mb)
+            return (jax.tree.map(jnp.add, g_acc, g), count_acc + count, nll_acc + nll), stats
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0), _micro_batches(batch, accum))
+        stats = _merge_stacked_stats(stats)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+        loss = nll / jnp.maximum(count, 1.0)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        def apply(ts_state):
+            ts_ = nnx.merge(graphdef, ts_state)
+            ts_.optimizer.update(ts_.model, grads)
+            if balancing == "quantile":
+                qb.apply(ts_.model, stats, top_k)
+            return nnx.state(ts_)
+
+        def skip(ts_state):
+            ts_ = nnx.merge(graphdef, ts_state)
+            ts_.skipped[...] += 1
+            return nnx.state(ts_)
+
+        new_state = jax.lax.cond(finite, apply, skip, nnx.state(ts))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(graphdef, cfg: Config):
+    """``eval_step(state, batch) -> (summed nll, token count)``; jitted, no donation."""
+
+    @jax.jit
+    def eval_step(state, batch):
+        model = nnx.merge(graphdef, state).model
+        logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+        _, count, nll = next_token_loss(logits, batch["targets"], batch["loss_mask"])
+        return nll, count
+
+    return eval_step
+
