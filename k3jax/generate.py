@@ -1,8 +1,8 @@
 """Autoregressive generation: ``k3jax.generate(model, prompt_tokens, max_new_tokens, ...)``.
 
-The whole loop runs inside one jitted ``lax.while_loop``. This first version recomputes the forward
-pass over a fixed-size token buffer at every step (correct by causality, quadratic in length); the
-inference issue replaces its body with cached prefill + decode behind the same API.
+One jitted program: a cached prefill of the (left-aligned) prompts, then a ``lax.while_loop`` of
+single-token decode steps through the same ``model(tokens, cache=...)`` forward that training uses;
+no Python round trip per token. ``stream`` receives each step's tokens through a host callback.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from k3jax.sampling import sample_logits
 
 def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_tokens=(), seed: int = 0,
-             prompt_lengths=None) -> jax.Array:
+             prompt_lengths=None, stream=None) -> jax.Array:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
     prompt_tokens: ``[B, T]`` int (right-padded when prompts differ in length; give
@@ -27,6 +27,7 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
     its continuation: row i holds its ``prompt_lengths[i]`` prompt tokens, then up to
     ``max_new_tokens`` generated ones, then padding (the first stop token, or 0 when none is given).
     Generation of a row ends after it emits a stop token (kept). Greedy at ``temperature=0``.
+    ``stream(step, tokens [B], active [B])`` (optional) is called on the host after every step.
     """
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt.ndim != 2:
@@ -45,35 +46,44 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
     graphdef, state = nnx.split(model)
     stops = tuple(int(s) for s in stop_tokens)
     return _generate(graphdef, state, prompt, lengths, jax.random.key(seed), max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_k=top_k, top_p=top_p, stops=stops)
+                     temperature=float(temperature), top_k=top_k, top_p=top_p, stops=stops, stream=stream)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stops"))
-def _generate(graphdef, state, prompt, lengths, key, *, max_new_tokens, temperature, top_k, top_p, stops):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stops",
+                                             "stream"))
+def _generate(graphdef, state, prompt, lengths, key, *, max_new_tokens, temperature, top_k, top_p, stops, stream):
     model = nnx.merge(graphdef, state)
     b, t = prompt.shape
     total = t + max_new_tokens
     pad = stops[0] if stops else 0
-    buf = jnp.full((b, total), pad, jnp.int32)
-    positions = jnp.arange(t, dtype=jnp.int32)
-    buf = buf.at[:, :t].set(jnp.where(positions[None] < lengths[:, None], prompt, pad))
     stop_ids = jnp.asarray(stops if stops else (-1,), jnp.int32)
-
-    limit = lengths + max_new_tokens
+    columns = jnp.arange(t, dtype=jnp.int32)
+    in_prompt = columns[None] < lengths[:, None]
+    out = jnp.full((b, total), pad, jnp.int32).at[:, :t].set(jnp.where(in_prompt, prompt, pad))
+    # Left-align: row i's prompt occupies the last lengths[i] of T slots, so all rows decode in lockstep.
+    shift = t - lengths
+    src = jnp.clip(columns[None] - shift[:, None], 0, t - 1)
+    left = jnp.take_along_axis(prompt, src, axis=1)
+    valid = columns[None] >= shift[:, None]
+    cache = model.init_cache(b, total)
+    logits, cache = model(jnp.where(valid, left, 0), cache=cache, token_valid=valid)
+    last = logits[:, -1]
 
     def cond(carry):
-        return ~jnp.all(carry[2])
+        return (carry[0] < max_new_tokens) & ~jnp.all(carry[3])
 
     def body(carry):
-        buf, cur, done, key = carry  # cur [B]: next position to write per row
+        i, out, last, done, cache, key = carry
         key, sub = jax.random.split(key)
-        logits, _ = model(buf)
-        last = jnp.take_along_axis(logits, (cur - 1)[:, None, None], axis=1)[:, 0]
         tok = sample_logits(last, sub, temperature=temperature, top_k=top_k, top_p=top_p)
-        write = ~done
-        buf = jnp.where(write[:, None] & (jnp.arange(total)[None] == cur[:, None]), tok[:, None], buf)
-        done = done | (write & jnp.isin(tok, stop_ids)) | (cur + 1 >= limit)
-        return buf, cur + 1, done, key
+        active = ~done
+        tok = jnp.where(active, tok, pad)
+        out = jnp.where(active[:, None] & (jnp.arange(total)[None] == (lengths + i)[:, None]), tok[:, None], out)
+        if stream is not None:
+            jax.debug.callback(stream, i, tok, active, ordered=True)
+        done = done | jnp.isin(tok, stop_ids)
+        logits, cache = model(tok[:, None], cache=cache)
+        return i + 1, out, logits[:, -1], done, cache, key
 
-    done0 = jnp.full((b,), max_new_tokens <= 0)
-    return jax.lax.while_loop(cond, body, (buf, lengths, done0, key))[0]
+    done = jnp.zeros((b,), bool)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), out, last, done, cache, key))[1]

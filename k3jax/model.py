@@ -10,12 +10,13 @@ training and decoding share.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.cache import ModelCache, init_cache
 from k3jax.config import ModelConfig
 from k3jax.layers import attn_res
 from k3jax.layers.attn_res import AttnResMix
@@ -94,29 +95,33 @@ class DecoderLayer(nnx.Module):
             self.attn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
             self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
 
-    def _mix(self, h, positions, segment_ids):
+    def _mix(self, h, ctx: "_Context", cache):
         if self.kind[0] == "kda":
-            return self.mixer(self.attn_norm(h), segment_ids=segment_ids)
-        return self.mixer(self.attn_norm(h), positions=positions, segment_ids=segment_ids)
+            return self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
+                              token_valid=ctx.token_valid)
+        return self.mixer(self.attn_norm(h), positions=ctx.positions, segment_ids=ctx.segment_ids, cache=cache,
+                          cache_index=ctx.cache_index, kv_valid=ctx.kv_valid)
 
-    def _ffn(self, h, token_mask):
+    def _ffn(self, h, ctx: "_Context"):
         if self.kind[1] == "dense":
             return self.ffn(self.ffn_norm(h)), None
-        return self.ffn(self.ffn_norm(h), token_mask=token_mask)
+        return self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
 
-    def __call__(self, carry, layer_idx, *, positions, segment_ids, token_mask):
+    def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
         """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on.
-        Returns (carry, router statistics or None)."""
+        Returns (carry, router statistics or None, updated layer cache or None)."""
         if not self.attn_res.enabled:
-            h = carry + self._mix(carry, positions, segment_ids).astype(carry.dtype)
-            y, stats = self._ffn(h, token_mask)
-            return h + y.astype(h.dtype), stats
+            y, cache = self._mix(carry, ctx, cache)
+            h = carry + y.astype(carry.dtype)
+            y, stats = self._ffn(h, ctx)
+            return h + y.astype(h.dtype), stats, cache
         state = carry
         h = self.attn_res_mix(state)
         state = attn_res.close_block(state, layer_idx % self.attn_res.block_size == 0)
-        state = attn_res.add(state, self._mix(h, positions, segment_ids))
-        y, stats = self._ffn(self.ffn_res_mix(state), token_mask)
-        return attn_res.add(state, y), stats
+        y, cache = self._mix(h, ctx, cache)
+        state = attn_res.add(state, y)
+        y, stats = self._ffn(self.ffn_res_mix(state), ctx)
+        return attn_res.add(state, y), stats, cache
 
 
 class LayerGroup(nnx.Module):
@@ -125,12 +130,23 @@ class LayerGroup(nnx.Module):
     def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
 
-    def __call__(self, carry, first_layer, **kw):
-        stats = []
+    def __call__(self, carry, first_layer, ctx, caches=None):
+        stats, new_caches = [], []
         for j, layer in enumerate(self.layers):
-            carry, st = layer(carry, first_layer + j, **kw)
+            carry, st, c = layer(carry, first_layer + j, ctx, None if caches is None else caches[j])
             stats.append(st)
-        return carry, tuple(stats)
+            new_caches.append(c)
+        return carry, (tuple(stats), tuple(new_caches))
+
+
+class _Context(NamedTuple):
+    """Per-call inputs every layer sees (everything but the residual stream and the cache)."""
+
+    positions: jax.Array  # [B, T]
+    segment_ids: jax.Array | None  # [B, T]
+    token_valid: jax.Array | None  # [B, T] False = padding
+    cache_index: jax.Array | None  # [] first cache slot written by this call
+    kv_valid: jax.Array | None  # [B, S] valid cache slots after this call
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -175,64 +191,98 @@ class K3Model(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = normal(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
-    def _run_groups(self, carry, kw):
+    def _run_groups(self, carry, ctx: _Context, caches):
         plan, cfg = self.plan, self.cfg
         graphdef, stacked = nnx.split(self.groups)
         period = len(plan.group_kinds)
         starts = plan.group_start + period * jnp.arange(plan.num_groups, dtype=jnp.int32)
 
         def body(carry, xs):
-            state, first_layer = xs
-            return nnx.merge(graphdef, state)(carry, first_layer, **kw)
+            state, first_layer, group_caches = xs
+            return nnx.merge(graphdef, state)(carry, first_layer, ctx, group_caches)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        return jax.lax.scan(body, carry, (stacked, starts))
+        return jax.lax.scan(body, carry, (stacked, starts, caches))
+
+    def init_cache(self, batch_size: int, max_len: int) -> ModelCache:
+        """An empty decoding cache (layout and sizes: ``k3jax.cache``)."""
+        return init_cache(self.cfg, self.plan, batch_size, max_len)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any]:
-        """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, cache).
+                 positions: jax.Array | None = None, cache: ModelCache | None = None,
+                 token_valid: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None]:
+        """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, updated cache or None).
 
-        ``segment_ids [B, T]`` marks packed documents, which never see each other (KDA state, conv
-        window and MLA are all reset at document starts); id 0 marks padding. ``positions`` default
-        to the position within each document.
+        Training / full forward (``cache=None``): ``segment_ids [B, T]`` marks packed documents,
+        which never see each other (KDA state, conv window and MLA are all reset at document
+        starts); id 0 marks padding. ``positions`` default to the position within each document.
+
+        Prefill / decode (``cache=model.init_cache(B, S)``): the tokens continue the cached
+        sequences (any T: a whole prompt, a chunk of one, or one token); ``token_valid [B, T]``
+        marks left padding of ragged prompts. Returns the cache holding the new tokens.
         """
-        logits, cache, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions, cache=cache)
+        logits, cache, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions, cache=cache,
+                                        token_valid=token_valid)
         return logits, cache
 
     def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any, dict]:
+                positions: jax.Array | None = None, cache: ModelCache | None = None,
+                token_valid: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, dict]:
         """Like ``__call__``, plus the Quantile Balancing statistics of every MoE layer, keyed by the
         path of that layer's ``router_bias`` in the model (see ``quantile_balancing.apply``)."""
-        if cache is not None:
-            raise NotImplementedError("decoding caches arrive with the inference issue")
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-        if segment_ids is not None and segment_ids.shape != tokens.shape:
-            raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
-        if positions is None:
-            positions = (segment_positions(segment_ids) if segment_ids is not None
-                         else jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape))
-        token_mask = None if segment_ids is None else segment_ids != 0
-        kw = dict(positions=positions, segment_ids=segment_ids, token_mask=token_mask)
-        stats = {}
+        b, t = tokens.shape
+        for name, arr in (("segment_ids", segment_ids), ("positions", positions), ("token_valid", token_valid)):
+            if arr is not None and arr.shape != tokens.shape:
+                raise ValueError(f"{name} shape {arr.shape} != tokens shape {tokens.shape}")
+        if cache is None:
+            if positions is None:
+                positions = (segment_positions(segment_ids) if segment_ids is not None
+                             else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape))
+            if token_valid is None and segment_ids is not None:
+                token_valid = segment_ids != 0
+            ctx = _Context(positions, segment_ids, token_valid, None, None)
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (document packing) is for training; with a cache mark left "
+                                 "padding with token_valid")
+            if cache.valid.shape[0] != b:
+                raise ValueError(f"cache batch {cache.valid.shape[0]} != tokens batch {b}")
+            valid = jnp.ones((b, t), bool) if token_valid is None else token_valid.astype(bool)
+            if positions is None:
+                positions = jnp.maximum(cache.positions[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+            kv_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.length, axis=1)
+            ctx = _Context(positions, None, valid, cache.length, kv_valid)
+        layer_caches = cache if cache is not None else ModelCache(
+            (None,) * len(self.plan.prefix), None, (None,) * len(self.plan.suffix), None, None, None)
+        stats, new_prefix, new_suffix = {}, [], []
         x = jnp.take(cast(self.embed, dt), tokens, axis=0)
         carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
         for j, (layer, i) in enumerate(zip(self.prefix, self.plan.prefix)):
-            carry, stats[("prefix", j, "ffn", "router_bias")] = layer(carry, i, **kw)
+            carry, stats[("prefix", j, "ffn", "router_bias")], c = layer(carry, i, ctx, layer_caches.prefix[j])
+            new_prefix.append(c)
+        new_groups = None
         if self.groups is not None:
-            carry, group_stats = self._run_groups(carry, kw)
+            carry, (group_stats, new_groups) = self._run_groups(carry, ctx, layer_caches.groups)
             for j, st in enumerate(group_stats):
                 stats[("groups", "layers", j, "ffn", "router_bias")] = st
         for j, (layer, i) in enumerate(zip(self.suffix, self.plan.suffix)):
-            carry, stats[("suffix", j, "ffn", "router_bias")] = layer(carry, i, **kw)
+            carry, stats[("suffix", j, "ffn", "router_bias")], c = layer(carry, i, ctx, layer_caches.suffix[j])
+            new_suffix.append(c)
         h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
         h = self.final_norm(h)
         head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
         logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
-        return logits, None, {k: v for k, v in stats.items() if v is not None}
+        new_cache = None
+        if cache is not None:
+            new_cache = ModelCache(tuple(new_prefix), tuple(new_groups) if new_groups is not None else (),
+                                   tuple(new_suffix), cache.length + t,
+                                   cache.positions + jnp.sum(ctx.token_valid, axis=1, dtype=jnp.int32), ctx.kv_valid)
+        return logits, new_cache, {k: v for k, v in stats.items() if v is not None}
 
 
 def _no_eager_sharding():

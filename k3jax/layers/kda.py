@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.cache import KDACache
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, constant, normal, param, uniform
 from k3jax.ops.conv import causal_conv1d
-from k3jax.ops.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus
+from k3jax.ops.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
 from k3jax.ops.norms import l2_norm, rms_norm
 
 # fla's dt initialisation range for the softplus gate: dt ~ logU(1e-3, 1e-1), floor 1e-4.
@@ -67,26 +68,36 @@ class KDA(nnx.Module):
         self.o_norm = constant(1.0, (k,), ("head_dim",), pd)
         self.o_proj = normal(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
 
-    def _short_conv(self, x: jax.Array, w: nnx.Param | None, segment_ids) -> jax.Array:
-        """silu(causal depthwise conv) of ``x [B, T, H, K]``."""
+    def _short_conv(self, x: jax.Array, w: nnx.Param | None, segment_ids, conv_state):
+        """silu(causal depthwise conv) of ``x [B, T, H, K]``; returns (y, new conv state or None)."""
         if w is None:
-            return jax.nn.silu(x)
+            return jax.nn.silu(x), conv_state
         b, t, h, k = x.shape
-        y, _ = causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k), segment_ids=segment_ids)
-        return jax.nn.silu(y).reshape(b, t, h, k)
+        y, conv_state = causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k),
+                                      segment_ids=segment_ids, initial_state=conv_state,
+                                      output_final_state=conv_state is not None)
+        return jax.nn.silu(y).reshape(b, t, h, k), conv_state
 
-    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-        """x ``[B, T, d]`` -> ``[B, T, d]``; packed documents (segment_ids ``[B, T]``) are isolated."""
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, cache: KDACache | None = None,
+                 token_valid: jax.Array | None = None) -> tuple[jax.Array, KDACache | None]:
+        """x ``[B, T, d]`` -> (``[B, T, d]``, updated cache or None).
+
+        Packed documents (segment_ids ``[B, T]``) are isolated. With a ``cache`` the layer continues
+        from its state; ``token_valid [B, T]`` marks left padding, which leaves the state untouched.
+        """
         c, dt = self.cfg, self.dtype
         x = x.astype(dt)
+        if token_valid is not None:
+            x = jnp.where(token_valid[..., None], x, jnp.zeros((), dt))
         conv = c.conv_size > 0
 
         def proj(w):
             return jnp.einsum("btd,dhk->bthk", x, cast(w, dt))
 
-        q = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids)
-        k = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids)
-        v = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids)
+        cq, ck, cv = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
+        q, cq = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids, cq)
+        k, ck = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids, ck)
+        v, cv = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids, cv)
         q, k = l2_norm(q), l2_norm(k)
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.b_proj, dt)).astype(jnp.float32))
         z = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.f_a, dt)), cast(self.f_b, dt))
@@ -95,11 +106,21 @@ class KDA(nnx.Module):
             g = kda_gate_lower_bound(z, self.A_log[...], self.dt_bias[...], c.gate_lower_bound)
         else:
             g = kda_gate_softplus(z, self.A_log[...], self.dt_bias[...])
-        o, _ = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids)
+        if token_valid is not None:  # padding: no decay, no write
+            g = jnp.where(token_valid[..., None, None], g, 0.0)
+            beta = jnp.where(token_valid[..., None], beta, 0.0)
+        initial = cache.state if cache is not None else None
+        if cache is not None and x.shape[1] == 1:  # decode: one recurrent step
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
+                                 initial_state=initial, output_final_state=cache is not None)
         o = rms_norm(o, self.o_norm[...], c.norm_eps)
         if c.output_gate == "full":
             o = o * jax.nn.sigmoid(proj(self.g_proj).astype(jnp.float32)).astype(dt)
         elif c.output_gate == "low_rank":
             gate = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.g_a, dt)), cast(self.g_b, dt))
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
-        return jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.o_proj, dt))
+        y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.o_proj, dt))
+        new_cache = KDACache(state, cq, ck, cv) if cache is not None else None
+        return y, new_cache

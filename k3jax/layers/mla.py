@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.cache import MLACache
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, normal
 from k3jax.layers.norm import RMSNorm
@@ -40,33 +41,74 @@ class MLA(nnx.Module):
         c = self.cfg
         return yarn_softmax_scale(c.qk_head_dim, c.yarn if c.rope == "yarn" else None)
 
-    def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """x ``[B, T, d]``, positions ``[B, T]`` -> ``[B, T, d]``."""
+    def _query(self, x):
         c, dt = self.cfg, self.dtype
-        b, t, _ = x.shape
-        x = x.astype(dt)
         if c.q_lora_rank:
             cq = self.q_a_norm(jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt)))
-            q = jnp.einsum("btr,rhp->bthp", cq, cast(self.q_b, dt))
-        else:
-            q = jnp.einsum("btd,dhp->bthp", x, cast(self.q_proj, dt))
-        ckv_rope = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
-        ckv, k_rope = ckv_rope[..., : c.kv_lora_rank], ckv_rope[..., c.kv_lora_rank:]
-        ckv = self.kv_a_norm(ckv)
-        kv = jnp.einsum("btr,rhp->bthp", ckv, cast(self.kv_b, dt))
-        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        k_rope = k_rope[:, :, None, :]  # one rope key shared by all heads
-        if c.rope != "none":
-            inv_freq, factor = rope_frequencies(c.qk_rope_head_dim, c.rope_theta, c.yarn if c.rope == "yarn" else None)
-            q_rope = apply_rope(q_rope, positions, inv_freq, factor, c.rope_interleave)
-            k_rope = apply_rope(k_rope, positions, inv_freq, factor, c.rope_interleave)
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
-        index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = attention_mask(index, index, segment_ids, segment_ids)
-        o = attention(q, k, v, mask, scale=self.softmax_scale)
+            return jnp.einsum("btr,rhp->bthp", cq, cast(self.q_b, dt))
+        return jnp.einsum("btd,dhp->bthp", x, cast(self.q_proj, dt))
+
+    def _rope(self, x, positions):
+        c = self.cfg
+        if c.rope == "none":
+            return x
+        inv_freq, factor = rope_frequencies(c.qk_rope_head_dim, c.rope_theta, c.yarn if c.rope == "yarn" else None)
+        return apply_rope(x, positions, inv_freq, factor, c.rope_interleave)
+
+    def _gate_and_project(self, x, o):
+        c, dt = self.cfg, self.dtype
         if c.output_gate:
             gate = jnp.einsum("btd,dhv->bthv", x, cast(self.g_proj, dt))
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
-        return jnp.einsum("bthv,hvd->btd", o, cast(self.o_proj, dt))
+        return jnp.einsum("bthv,hvd->btd", o.astype(dt), cast(self.o_proj, dt))
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: MLACache | None = None, cache_index=None, kv_valid: jax.Array | None = None
+                 ) -> tuple[jax.Array, MLACache | None]:
+        """x ``[B, T, d]``, positions ``[B, T]`` -> (``[B, T, d]``, updated cache or None).
+
+        Without a cache: expanded MLA over the T tokens (training, plain prefill). With a cache: the
+        new tokens' latent and rope key are written at slots ``[cache_index, cache_index + T)`` and
+        the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form.
+        """
+        c, dt = self.cfg, self.dtype
+        b, t, _ = x.shape
+        x = x.astype(dt)
+        q = self._query(x)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], self._rope(q[..., c.qk_nope_head_dim:], positions)
+        ckv_rope = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        ckv = self.kv_a_norm(ckv_rope[..., : c.kv_lora_rank])
+        k_rope = self._rope(ckv_rope[..., None, c.kv_lora_rank:], positions)  # [B, T, 1, R]: shared by heads
+        kv_b = cast(self.kv_b, dt)
+        if cache is None:
+            kv = jnp.einsum("btr,rhp->bthp", ckv, kv_b)
+            k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
+            index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            o = attention(q, k, v, attention_mask(index, index, segment_ids, segment_ids), scale=self.softmax_scale)
+            return self._gate_and_project(x, o), None
+        ckv_all = jax.lax.dynamic_update_slice_in_dim(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index, axis=1)
+        k_rope_all = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype),
+                                                         cache_index, axis=1)
+        o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
+        return self._gate_and_project(x, o), MLACache(ckv_all, k_rope_all)
+
+    def absorbed_attention(self, q_nope, q_rope, ckv, k_rope, kv_b, cache_index, kv_valid):
+        """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
+
+        q_nope ``[B, T, H, nope]``, q_rope ``[B, T, H, R]``, ckv ``[B, S, r]``, k_rope ``[B, S, R]``,
+        kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``.
+        """
+        c = self.cfg
+        b, t = q_nope.shape[:2]
+        s = ckv.shape[1]
+        w_uk, w_uv = kv_b[..., : c.qk_nope_head_dim], kv_b[..., c.qk_nope_head_dim:]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
+        q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)  # [B, T, H, r + R]
+        k = jnp.concatenate([ckv, k_rope.astype(ckv.dtype)], axis=-1)[:, :, None]  # [B, S, 1, r + R]
+        q_index = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
+        kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask = attention_mask(q_index, kv_index, kv_valid=kv_valid)
+        o_lat = attention(q, k, ckv[:, :, None], mask, scale=self.softmax_scale)  # [B, T, H, r]
+        return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)

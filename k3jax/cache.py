@@ -1,0 +1,90 @@
+"""Decoding caches: what each layer keeps between calls of ``model(tokens, cache=...)``.
+
+Layout (a pytree; B = batch, S = max_len, H heads):
+
+- KDA layer: ``KDACache(state [B, H, K, V] float32, conv_q / conv_k / conv_v [B, W-1, H*K])`` — the
+  fixed-size delta-rule state and the last ``W-1`` inputs of each short convolution. Its size does
+  not depend on the context length.
+- MLA layer: ``MLACache(ckv [B, S, kv_lora], k_rope [B, S, rope])`` — only the normalised compressed
+  latent and the shared (already rotated) rope key: 576 values per token for K3. Decoding absorbs the
+  key up-projection into the query and attends over this latent directly (MQA over 576 dims).
+- Block AttnRes needs nothing: its sources at a position are functions of that position only.
+- Model: ``ModelCache(prefix, groups, suffix, length, positions, valid)``: per-layer caches in the
+  model's layer plan (the scanned groups' caches stacked with a leading group axis), ``length`` = slots
+  written so far (the same for every row), ``positions [B]`` = next position of each row (real
+  tokens seen), ``valid [B, S]`` = which slots hold real tokens.
+
+Batches of prompts with different lengths are **left-padded**: padding slots are marked invalid and
+are no-ops for every layer, so all rows then decode in lockstep at the same slot.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+
+class KDACache(NamedTuple):
+    state: jax.Array  # [B, H, K, V] float32
+    conv_q: jax.Array  # [B, W-1, H*K]
+    conv_k: jax.Array
+    conv_v: jax.Array
+
+
+class MLACache(NamedTuple):
+    ckv: jax.Array  # [B, S, kv_lora]
+    k_rope: jax.Array  # [B, S, rope]
+
+
+class ModelCache(NamedTuple):
+    prefix: tuple
+    groups: tuple  # one stacked cache per slot of the repeating group
+    suffix: tuple
+    length: jax.Array  # [] int32
+    positions: jax.Array  # [B] int32
+    valid: jax.Array  # [B, S] bool
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+def layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int, dtype) -> KDACache | MLACache:
+    if mixer == "kda":
+        c = cfg.kda
+        conv = jnp.zeros((batch, max(c.conv_size - 1, 0), c.num_heads * c.head_dim), dtype)
+        state = jnp.zeros((batch, c.num_heads, c.head_dim, c.head_dim), jnp.float32)
+        return KDACache(state, conv, conv, conv)
+    c = cfg.mla
+    return MLACache(jnp.zeros((batch, max_len, c.kv_lora_rank), dtype),
+                    jnp.zeros((batch, max_len, c.qk_rope_head_dim), dtype))
+
+
+def init_cache(cfg: ModelConfig, plan, batch: int, max_len: int) -> ModelCache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` slots (prompt + generated)."""
+    if max_len > cfg.max_seq_len:
+        raise ValueError(f"cache length {max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+    dtype = jnp.dtype(cfg.dtype)
+
+    def one(i):
+        return layer_cache(cfg, cfg.mixer(i), batch, max_len, dtype)
+
+    def stacked(slot):
+        caches = [one(plan.group_start + g * len(plan.group_kinds) + slot) for g in range(plan.num_groups)]
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+
+    return ModelCache(prefix=tuple(one(i) for i in plan.prefix),
+                      groups=tuple(stacked(s) for s in range(len(plan.group_kinds))) if plan.num_groups else (),
+                      suffix=tuple(one(i) for i in plan.suffix),
+                      length=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch,), jnp.int32),
+                      valid=jnp.zeros((batch, max_len), bool))
+
+
+def cache_bytes(cache: ModelCache) -> int:
+    """Memory of a cache in bytes."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
