@@ -302,14 +302,32 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes (``k3jax/sharding.py``); one axis may be -1 (fill)."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+    def validate(self, prefix: str = "mesh") -> None:
+        sizes = [self.data, self.fsdp, self.expert, self.sequence, self.tensor]
+        _check(all(s == -1 or s > 0 for s in sizes), prefix, "axis sizes must be positive or -1")
+        _check(sizes.count(-1) <= 1, prefix, "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "custom"
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> None:
         self.model.validate("model")
         self.train.validate("train")
+        self.mesh.validate("mesh")
         _check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
 
