@@ -4,4 +4,14 @@ from k3jax.config import Config, ModelConfig, load_config
 from k3jax.generate import generate
 from k3jax.model import K3Model, abstract_model, create_model
 
-__all__ = ["Config", "K3Model", "ModelConfig", "abstract_model", "create_model", "generate", "load_config"]
+__all__ = ["Config", "K3Model", "ModelConfig", "abstract_model", "create_model", "from_hf", "generate",
+           "load_config", "to_hf"]
+
+
+def __getattr__(name):
+    # HF interop pulls in safetensors / tokenizer code: import it only when asked for.
+    if name in ("from_hf", "to_hf"):
+        from k3jax.interop import hf_weights
+
+        return getattr(hf_weights, name)
+    raise AttributeError(f"module 'k3jax' has no attribute {name!r}")

@@ -1,0 +1,98 @@
+"""Convert checkpoints between Hugging Face safetensors and k3jax Orbax checkpoints.
+
+    python -m k3jax.convert --from-hf HF_DIR --to-orbax OUT_DIR [--dtype bfloat16]
+    python -m k3jax.convert --from-orbax CKPT_DIR --to-hf OUT_DIR --model-type kimi_k3 \
+        [--max-shard-size 5GB] [--dtype bfloat16] [--mxfp4] [--tokenizer-from HF_DIR]
+
+``--from-hf`` reads ``kimi_k3``, ``kimi_linear``, ``deepseek_v3`` and ``kimi_k2`` directories
+(config.json + single or sharded safetensors), streaming shard by shard. ``--to-hf`` writes the
+official layout of ``--model-type``; ``--tokenizer-from`` copies the tokenizer files and the
+special-token ids of an original download into the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "chat_template.jinja",
+                   "generation_config.json", "special_tokens_map.json", "tokenizer.json", "encoding_k3.py")
+
+
+def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), progress: bool = True) -> None:
+    import jax.numpy as jnp
+
+    from k3jax.checkpoint import save_model
+    from k3jax.config import Config
+    from k3jax.interop import from_hf
+
+    model = from_hf(src, dtype=jnp.dtype(dtype), overrides=overrides, progress=progress)
+    config = Config(name=pathlib.Path(src).name, model=model.cfg)
+    save_model(dst, model, config)
+
+
+def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5GB", dtype: str | None = None,
+                mxfp4: bool | None = None, tokenizer_from: str | None = None, step: int | None = None,
+                progress: bool = True) -> None:
+    from k3jax.checkpoint import restore_model
+    from k3jax.interop import to_hf
+
+    model, _ = restore_model(src, step=step)
+    extra = {}
+    if tokenizer_from:
+        src_cfg = pathlib.Path(tokenizer_from) / "config.json"
+        if src_cfg.exists():
+            hf = json.loads(src_cfg.read_text())
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if k in hf:
+                    extra[k] = hf[k]
+                elif k in (hf.get("text_config") or {}):
+                    extra[k] = hf["text_config"][k]
+    to_hf(model, dst, model_type=model_type, max_shard_size=max_shard_size, dtype=dtype, mxfp4_experts=mxfp4,
+          extra_config=extra, progress=progress)
+    if tokenizer_from:
+        for name in TOKENIZER_FILES:
+            f = pathlib.Path(tokenizer_from) / name
+            if f.exists():
+                shutil.copy2(f, pathlib.Path(dst) / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3jax.convert", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="Hugging Face model directory")
+    src.add_argument("--from-orbax", metavar="DIR", help="k3jax Orbax checkpoint directory")
+    dst = ap.add_mutually_exclusive_group(required=True)
+    dst.add_argument("--to-orbax", metavar="DIR")
+    dst.add_argument("--to-hf", metavar="DIR")
+    ap.add_argument("--model-type", default="kimi_k3", choices=["kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2"],
+                    help="layout written by --to-hf (default kimi_k3)")
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on import, the "
+                    "parameter dtype on export)")
+    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--mxfp4", action=argparse.BooleanOptionalAction, default=None,
+                    help="write routed experts MXFP4-packed (kimi_k3; default: only if they were loaded packed)")
+    ap.add_argument("--tokenizer-from", metavar="DIR", help="copy tokenizer files and token ids from this HF dir")
+    ap.add_argument("--step", type=int, default=None, help="Orbax step to export (default: latest)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="model config overrides for --from-hf (e.g. kda.chunk_size=16)")
+    args = ap.parse_args(argv)
+    progress = not args.no_progress
+    if args.from_hf and args.to_orbax:
+        hf_to_orbax(args.from_hf, args.to_orbax, dtype=args.dtype or "float32", overrides=args.overrides,
+                    progress=progress)
+    elif args.from_orbax and args.to_hf:
+        orbax_to_hf(args.from_orbax, args.to_hf, model_type=args.model_type, max_shard_size=args.max_shard_size,
+                    dtype=args.dtype, mxfp4=args.mxfp4, tokenizer_from=args.tokenizer_from, step=args.step,
+                    progress=progress)
+    else:
+        ap.error("convert --from-hf to --to-orbax, or --from-orbax to --to-hf")
+    print(f"wrote {args.to_orbax or args.to_hf}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
