@@ -1,0 +1,90 @@
+"""Generate text with a trained k3jax model: ``python infer.py [--checkpoint PATH] --prompt "..."``.
+
+PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
+unless ``--step``) or a run directory containing one. Without ``--checkpoint`` the latest run of the
+default main job (``runs/default``) is used. Tokens are streamed to the terminal as they are produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+from k3jax import checkpoint
+from k3jax.config import load_config
+from k3jax.data.tokenizers import load_tokenizer
+from k3jax.generate import generate
+
+DEFAULT_RUN = pathlib.Path("runs/default")
+
+
+def _checkpoint_dir(path: str | None) -> pathlib.Path:
+    if path is None:
+        ckpt = DEFAULT_RUN / "checkpoints"
+        if not ckpt.exists():
+            raise SystemExit(f"no --checkpoint given and no default run at {ckpt}: train one first with "
+                             f"`python train.py` (the default main job), or pass --checkpoint PATH")
+        print(f"(using the latest checkpoint of the default run: {ckpt})", file=sys.stderr)
+        return ckpt
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise SystemExit(f"checkpoint path {p} does not exist")
+    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+
+
+class _Printer:
+    """Streams one row's tokens, printing only text that decodes cleanly so far."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def __call__(self, step, tokens, active):
+        if not bool(active[0]):
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", help="checkpoint or run directory (default: runs/default)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    ckpt = _checkpoint_dir(args.checkpoint)
+    expected = load_config(args.config) if args.config else None
+    model, cfg = checkpoint.restore_model(ckpt, step=args.step, config=expected)
+    tokenizer = load_tokenizer(cfg.train.data.tokenizer)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise SystemExit("the prompt is empty after tokenisation")
+    if max(prompt) >= cfg.model.vocab_size:
+        raise SystemExit(f"prompt token id {max(prompt)} is outside the model's vocabulary ({cfg.model.vocab_size})")
+    room = cfg.model.max_seq_len - len(prompt)
+    if room <= 0:
+        raise SystemExit(f"the prompt has {len(prompt)} tokens; the model's context is {cfg.model.max_seq_len}")
+    max_new = min(args.max_new_tokens, room)
+    stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature, top_k=args.top_k,
+             top_p=args.top_p, stop_tokens=stops, seed=args.seed, stream=_Printer(tokenizer))
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Document sources: random-access sequences of strings (grain ``RandomAccessDataSource``s).
+
+``open_documents(source, format="auto", text_field="text")`` takes ``train.data.source``:
+
+- ``"bundled"``: the shipped corpus, ``k3jax/data/corpus/kjv.txt`` (King James Bible, Genesis to
+  Ruth, public domain; one chapter per document).
+- a file, a directory (every file in it with a known extension, sorted) or a glob pattern.
+
+Formats, chosen by extension when ``format="auto"``:
+
+- text (``.txt``, ``.text``, ``.md``): one document per blank-line-separated block (a file without
+  blank lines is one document). Read into memory.
+- jsonl (``.jsonl``, ``.ndjson``, ``.json`` with one object per line): the ``text_field`` of each
+  line; lines are read lazily through a byte-offset index built once.
+- parquet (``.parquet``): the ``text_field`` column (needs ``pyarrow``).
+- ArrayRecord (``.arrayrecord``, ``.array_record``): each record is UTF-8 text, or a JSON object
+  whose ``text_field`` is used (``grain.sources.ArrayRecordDataSource``).
+
+Errors name the offending file (and line) and, for a missing field, the fields that exist.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import importlib.resources
+import json
+import os
+import pathlib
+import re
+from typing import Sequence
+
+import numpy as np
+
+FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
+_EXTENSIONS = {
+    ".txt": "text", ".text": "text", ".md": "text",
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord",
+}
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def bundled_corpus_path() -> pathlib.Path:
+    """Path of the shipped default corpus (``k3jax/data/corpus/kjv.txt``)."""
+    return pathlib.Path(str(importlib.resources.files("k3jax.data").joinpath("corpus", "kjv.txt")))
+
+
+def split_text_documents(text: str) -> list[str]:
+    """Blank-line-separated blocks, stripped of surrounding whitespace; empty blocks dropped."""
+    text = text.replace("\r\n", "\n")
+    return [block.strip() for block in _BLANK_LINES.split(text) if block.strip()]
+
+
+class TextDocuments:
+    """Documents held in memory (text files)."""
+
+    def __init__(self, docs: Sequence[str], name: str = "<memory>"):
+        self._docs = list(docs)
+        self.name = name
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "TextDocuments":
+        path = pathlib.Path(path)
+        return cls(split_text_documents(path.read_text(encoding="utf-8", errors="replace")), str(path))
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def __getitem__(self, index: int) -> str:
+        return self._docs[index]
+
+    def __repr__(self) -> str:
+        return f"TextDocuments({self.name!r}, {len(self)} documents)"
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
+    if field not in record:
+        raise ValueError(f"{where}: no field {field!r} (train.data.text_field); fields: {sorted(record)}")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+    return value
+
+
+class JsonlDocuments:
+    """The ``text_field`` of each non-empty line of a JSON-lines file, read lazily by byte offset
+    (``os.pread``, safe from grain's reader threads)."""
+
+    def __init__(self, path: str | os.PathLike, text_field: str = "text"):
+        self.path = pathlib.Path(path)
+        self.text_field = text_field
+        offsets, lengths = [], []
+        pos = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    offsets.append(pos)
+                    lengths.append(len(line))
+                pos += len(line)
+        self._offsets = np.asarray(offsets, np.int64)
+        self._lengths = np.asarray(lengths, np.int64)
+        self._fd = None
+        self._pid = None
+        if len(self):
+            self[0]  # fail early on a wrong field or a malformed first line
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def _file(self) -> int:
+        if self._fd is None or self._pid != os.getpid():  # reopen in forked workers
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __getitem__(self, index: int) -> str:
+        # pread: positional and thread-safe (grain reads the source from several threads)
+        line = os.pread(self._file(), int(self._lengths[index]), int(self._offsets[index]))
+        where = f"{self.path}: record {index}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        return _field(record, self.text_field, where)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fd"] = state["_pid"] = None
+        return state
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"JsonlDocuments({str(self.path)!r}, field={self.text_field!r}, {len(self)} documents)"
+
+
+class ParquetDocuments:
+    """The ``text_field`` column of a parquet file (read into memory with pyarrow)."""
+
+    def __init__(self, path: str | os.PathLike, text_field: str = "text"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+        self.path = pathlib.Path(path)
+        schema = pq.read_schema(self.path)
+        if text_field not in schema.names:
+            raise ValueError(f"{self.path}: no column {text_field!r} (train.data.text_field); columns: {schema.names}")
+        column = pq.read_table(self.path, columns=[text_field]).column(text_field)
+        self._docs = [("" if v is None else str(v)) for v in column.to_pylist()]
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def __getitem__(self, index: int) -> str:
+        return self._docs[index]
+
+    def __repr__(self) -> str:
+        return f"ParquetDocuments({str(self.path)!r}, {len(self)} documents)"
+
+
+class ArrayRecordDocuments:
+    """Records of ArrayRecord file(s): UTF-8 text, or JSON objects with a ``text_field``."""
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str = "text"):
+        import grain
+
+        paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+        self.paths = paths
+        self.text_field = text_field
+        self._source = grain.sources.ArrayRecordDataSource(paths)
+        if len(self):
+            self[0]
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> str:
+        raw = self._source[index]
+        text = raw.decode("utf-8", errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        if text.lstrip().startswith("{"):
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError:
+                return text
+            return _field(record, self.text_field, f"{self.paths}: record {index}")
+        return text
+
+    def __repr__(self) -> str:
+        return f"ArrayRecordDocuments({self.paths!r}, {len(self)} documents)"
+
+
+class ConcatDocuments:
+    """Several sources one after another."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = list(parts)
+        self._ends = np.cumsum([len(p) for p in self.parts]).tolist()
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, index: int) -> str:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        part = bisect.bisect_right(self._ends, index)
+        start = self._ends[part - 1] if part else 0
+        return self.parts[part][index - start]
+
+    def __repr__(self) -> str:
+        return f"ConcatDocuments({len(self.parts)} parts, {len(self)} documents)"
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    suffix = pathlib.Path(path).suffix.lower()
+    if suffix not in _EXTENSIONS:
+        raise ValueError(f"train.data.source: cannot tell the format of {path} from its extension "
+                         f"(known: {', '.join(sorted(_EXTENSIONS))}); set train.data.format")
+    return _EXTENSIONS[suffix]
+
+
+def _expand(source: str) -> list[pathlib.Path]:
+    if any(ch in source for ch in "*?["):
+        paths = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
+        paths = [p for p in paths if p.is_file()]
+        if not paths:
+            raise FileNotFoundError(f"train.data.source: no file matches {source!r}")
+        return paths
+    path = pathlib.Path(source).expanduser()
+    if path.is_dir():
+        paths = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _EXTENSIONS)
+        if not paths:
+            raise FileNotFoundError(f"train.data.source: directory {path} holds no file with a known "
+                                    f"extension ({', '.join(sorted(_EXTENSIONS))})")
+        return paths
+    if not path.exists():
+        raise FileNotFoundError(f"train.data.source: {source!r} does not exist (use 'bundled' for the "
+                                "shipped corpus, or a file, directory or glob)")
+    return [path]
+
+
+def _open_one(path: pathlib.Path, fmt: str, text_field: str):
+    if fmt == "text":
+        return TextDocuments.from_file(path)
+    if fmt == "jsonl":
+        return JsonlDocuments(path, text_field)
+    if fmt == "parquet":
+        return ParquetDocuments(path, text_field)
+    if fmt == "arrayrecord":
+        return ArrayRecordDocuments(path, text_field)
+    raise ValueError(f"train.data.format: unknown format {fmt!r}; one of auto, {', '.join(FORMATS)}")
+
+
+def open_documents(source: str = "bundled", format: str = "auto", text_field: str = "text"):
+    """A random-access source of document strings (see the module docstring)."""
+    if format != "auto" and format not in FORMATS:
+        raise ValueError(f"train.data.format: unknown format {format!r}; one of auto, {', '.join(FORMATS)}")
+    if source == "bundled":
+        path = bundled_corpus_path()
+        if not path.exists():
+            raise FileNotFoundError(f"the bundled corpus {path} is missing from this installation")
+        return TextDocuments.from_file(path)
+    paths = _expand(source)
+    parts = [_open_one(p, detect_format(p) if format == "auto" else format, text_field) for p in paths]
+    docs = parts[0] if len(parts) == 1 else ConcatDocuments(parts)
+    if len(docs) == 0:
+        raise ValueError(f"train.data.source: {source!r} holds no documents")
+    return docs
+
+
+__all__ = ["ArrayRecordDocuments", "ConcatDocuments", "JsonlDocuments", "ParquetDocuments", "TextDocuments",
+           "bundled_corpus_path", "detect_format", "open_documents", "split_text_documents"]

@@ -1,0 +1,424 @@
+"""k3jax.optim: per-head Muon blocks, parameter groups of the tiny model, schedules, weight decay,
+QK-clip, and a short training run that lowers the loss."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax import optim
+from k3jax.config import OptimConfig, load_config
+from k3jax.model import abstract_model, create_model
+
+MDN = optim.MDN
+
+
+def _cfg(**kw) -> OptimConfig:
+    """lr = 1, no schedule, no clipping, no decay: ``tx.update`` returns minus the Muon update."""
+    base = dict(learning_rate=1.0, schedule="constant", warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+    base.update(kw)
+    return OptimConfig(**base)
+
+
+class Toy(nnx.Module):
+    """Per-head projections, an output projection, routed experts, a norm and an embedding."""
+
+    def __init__(self, d=64, h=4, dh=16, e=4, din=32, dout=16):
+        r = np.random.default_rng(0)
+
+        def p(shape, axes):
+            return nnx.Param(jnp.asarray(0.02 * r.standard_normal(shape), jnp.float32), out_sharding=axes)
+
+        with nnx.use_eager_sharding(False):
+            self.embed = p((32, d), ("vocab", "embed"))
+            self.q_proj = p((d, h, dh), ("embed", "heads", "head_dim"))
+            self.o_proj = p((h, dh, d), ("heads", "head_dim", "embed"))
+            self.w_up = p((e, din, dout), ("expert", "expert_in", "expert_mlp"))
+            self.norm_weight = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
+
+
+def _muon_update(model, grads, **kw):
+    tx = optim.make_optimizer(_cfg(**kw), model, total_steps=10)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    return jax.tree.map(lambda u: -np.asarray(u, np.float64), updates)
+
+
+def _scaled_grads(model, head_scales, expert_scales, seed=0):
+    r = np.random.default_rng(seed)
+    g = jax.tree.map(lambda x: np.asarray(r.standard_normal(x.shape), np.float32),
+                     nnx.as_pure(nnx.state(model, nnx.Param)))
+    g["q_proj"] = g["q_proj"] * np.asarray(head_scales, np.float32)[None, :, None]
+    g["o_proj"] = g["o_proj"] * np.asarray(head_scales, np.float32)[:, None, None]
+    g["w_up"] = g["w_up"] * np.asarray(expert_scales, np.float32)[:, None, None]
+    return jax.tree.map(jnp.asarray, g)
+
+
+def _sv_ratio(m):
+    s = np.linalg.svd(m, compute_uv=False)
+    return s.max() / s.min()
+
+
+def _rms(m):
+    return float(np.sqrt(np.mean(np.square(m))))
+
+
+HEAD_SCALES = [1e-3, 1e-2, 1e-1, 1.0]
+EXPERT_SCALES = [1e-3, 1e-1, 1.0, 10.0]
+
+
+@pytest.fixture(scope="module")
+def toy_updates():
+    """Muon updates (lr = 1) of a toy model whose heads / experts have very different gradient
+    scales: per-head (the default) and whole-matrix (the ablation)."""
+    model = Toy()
+    grads = _scaled_grads(model, HEAD_SCALES, EXPERT_SCALES)
+    return _muon_update(model, grads), _muon_update(model, grads, per_head_muon=False)
+
+
+def test_per_head_blocks_are_orthogonal_and_full_matrix_is_not(toy_updates):
+    per_head, whole = toy_updates
+    d, h, dh = per_head["q_proj"].shape
+    expected_rms = 0.2  # 0.2 * sqrt(max(d, dh)) * ||O||_F / sqrt(d * dh) with an orthogonal O
+    for i in range(h):
+        block = per_head["q_proj"][:, i, :]
+        assert _sv_ratio(block) < 3.0, (i, _sv_ratio(block))
+        assert 0.6 * expected_rms < _rms(block) < 1.2 * expected_rms, (i, _rms(block))
+        oblock = per_head["o_proj"][i]  # (dh, d): split on the input side
+        assert _sv_ratio(oblock) < 3.0
+        assert 0.6 * expected_rms < _rms(oblock) < 1.2 * expected_rms
+    # Every head moves by the same amount whatever its gradient scale.
+    rms = [_rms(per_head["q_proj"][:, i, :]) for i in range(h)]
+    assert max(rms) / min(rms) < 1.3, rms
+    # The (d, H*dh) matrix as a whole is not orthogonal: its singular values spread widely (the head
+    # blocks' column spaces are not mutually orthogonal). Measured: blocks ~1.65, full ~230.
+    full_per_head = per_head["q_proj"].reshape(d, h * dh)
+    assert _sv_ratio(full_per_head) > 5.0, _sv_ratio(full_per_head)
+    # Whole-matrix Muon (the ablation) cannot orthogonalise it either in 5 steps when the head
+    # gradient scales differ by 1000x (measured ~750).
+    full_whole = whole["q_proj"].reshape(d, h * dh)
+    assert _sv_ratio(full_whole) > 30.0, _sv_ratio(full_whole)
+    # Whole-matrix Muon starves the small-gradient heads; per-head Muon does not.
+    whole_rms = [_rms(whole["q_proj"][:, i, :]) for i in range(h)]
+    assert whole_rms[0] / whole_rms[-1] < 0.2, whole_rms
+    assert _sv_ratio(full_whole) > 10 * max(_sv_ratio(per_head["q_proj"][:, i, :]) for i in range(h))
+
+
+def test_experts_are_orthogonalised_one_by_one(toy_updates):
+    for up in (toy_updates[0]["w_up"], toy_updates[1]["w_up"]):  # (E, 32, 16), per expert in both modes
+        for e in range(up.shape[0]):
+            assert _sv_ratio(up[e]) < 3.0
+            assert 0.6 * 0.2 < _rms(up[e]) < 1.2 * 0.2  # 0.2 * sqrt(32) * sqrt(16 / 512)
+
+
+def test_adamw_params_get_adam_updates(toy_updates):
+    # First Adam step: m_hat / sqrt(v_hat) = sign(g) (up to eps) for every element.
+    for name in ("embed", "norm_weight"):
+        np.testing.assert_allclose(np.abs(toy_updates[0][name]), 1.0, rtol=1e-3)
+
+
+def test_dimension_numbers_with_and_without_heads():
+    model = Toy()
+    dn = optim.muon_dimension_numbers(model)
+    assert dn["q_proj"] == MDN(0, 2)  # heads (axis 1) is a batch axis
+    assert dn["o_proj"] == MDN(1, 2)
+    assert dn["w_up"] == MDN(1, 2)
+    assert dn["embed"] is None and dn["norm_weight"] is None
+    whole = optim.muon_dimension_numbers(model, per_head=False)
+    assert whole["q_proj"] == MDN(0, (1, 2))
+    assert whole["o_proj"] == MDN((0, 1), 2)
+    assert whole["w_up"] == MDN(1, 2)  # experts stay separate
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiny model's parameter groups (SPEC §6 table)
+
+# (path, group, dimension numbers) -- scanned group layers carry a leading ``layers`` axis (0).
+EXPECTED_TINY = [
+    (("embed",), "adamw", None),
+    (("lm_head",), "adamw", None),
+    (("final_norm", "weight"), "adamw", None),
+    (("final_res_mix", "query"), "adamw", None),
+    (("final_res_mix", "norm"), "adamw", None),
+    # layer 0: KDA + dense FFN (unscanned)
+    (("prefix", 0, "attn_norm", "weight"), "adamw", None),
+    (("prefix", 0, "attn_res_mix", "query"), "adamw", None),
+    (("prefix", 0, "mixer", "q_proj"), "muon", MDN(0, 2)),
+    (("prefix", 0, "mixer", "k_proj"), "muon", MDN(0, 2)),
+    (("prefix", 0, "mixer", "v_proj"), "muon", MDN(0, 2)),
+    (("prefix", 0, "mixer", "g_proj"), "muon", MDN(0, 2)),
+    (("prefix", 0, "mixer", "f_b"), "muon", MDN(0, 2)),
+    (("prefix", 0, "mixer", "o_proj"), "muon", MDN(1, 2)),
+    (("prefix", 0, "mixer", "f_a"), "muon", MDN(0, 1)),
+    (("prefix", 0, "mixer", "b_proj"), "muon", MDN(0, 1)),
+    (("prefix", 0, "mixer", "q_conv"), "adamw", None),
+    (("prefix", 0, "mixer", "A_log"), "adamw", None),
+    (("prefix", 0, "mixer", "dt_bias"), "adamw", None),
+    (("prefix", 0, "mixer", "o_norm"), "adamw", None),
+    (("prefix", 0, "ffn", "w_gate"), "muon", MDN(0, 1)),
+    (("prefix", 0, "ffn", "w_down"), "muon", MDN(0, 1)),
+    # a scanned KDA + LatentMoE layer
+    (("groups", "layers", 0, "mixer", "q_proj"), "muon", MDN(1, 3)),
+    (("groups", "layers", 0, "mixer", "o_proj"), "muon", MDN(2, 3)),
+    (("groups", "layers", 0, "mixer", "dt_bias"), "adamw", None),
+    (("groups", "layers", 0, "mixer", "A_log"), "adamw", None),
+    (("groups", "layers", 0, "attn_norm", "weight"), "adamw", None),
+    (("groups", "layers", 0, "ffn_res_mix", "query"), "adamw", None),
+    (("groups", "layers", 0, "ffn", "router"), "muon", MDN(1, 2)),
+    (("groups", "layers", 0, "ffn", "down"), "muon", MDN(1, 2)),
+    (("groups", "layers", 0, "ffn", "up"), "muon", MDN(1, 2)),
+    (("groups", "layers", 0, "ffn", "latent_norm", "weight"), "adamw", None),
+    (("groups", "layers", 0, "ffn", "w_gate"), "muon", MDN(2, 3)),
+    (("groups", "layers", 0, "ffn", "w_down"), "muon", MDN(2, 3)),
+    (("groups", "layers", 0, "ffn", "shared", "w_up"), "muon", MDN(1, 2)),
+    # an unscanned gated MLA layer
+    (("suffix", 3, "mixer", "q_a"), "muon", MDN(0, 1)),
+    (("suffix", 3, "mixer", "kv_a"), "muon", MDN(0, 1)),
+    (("suffix", 3, "mixer", "q_a_norm", "weight"), "adamw", None),
+    (("suffix", 3, "mixer", "kv_a_norm", "weight"), "adamw", None),
+    (("suffix", 3, "mixer", "q_b"), "muon", MDN(0, 2)),
+    (("suffix", 3, "mixer", "kv_b"), "muon", MDN(0, 2)),
+    (("suffix", 3, "mixer", "g_proj"), "muon", MDN(0, 2)),
+    (("suffix", 3, "mixer", "o_proj"), "muon", MDN(1, 2)),
+    (("suffix", 3, "ffn", "w_up"), "muon", MDN(1, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_abstract():
+    return abstract_model(load_config("tiny").model)
+
+
+def test_tiny_model_groups_match_the_spec(tiny_abstract):
+    table = optim.group_table(tiny_abstract)
+    for path, group, dn in EXPECTED_TINY:
+        assert path in table, path
+        got_group, got_dn, _ = table[path]
+        assert (got_group, got_dn) == (group, dn), (path, got_group, got_dn)
+        assert optim.param_group(path) == group, path  # name-only rule agrees
+        assert optim.param_group("/".join(map(str, path))) == group
+    # Global rules: every 1-D (per layer) param is AdamW; every routed-expert tensor is per expert.
+    for path, var in nnx.to_flat_state(nnx.state(tiny_abstract, nnx.Param)):
+        path = tuple(path)
+        axes = var.get_metadata()["out_sharding"]
+        non_layer = [a for a in axes if a != "layers"]
+        group, dn, _ = table[path]
+        assert optim.param_group(path) == group, path
+        if len(non_layer) < 2 or {"vocab", "conv", "norm"} & set(axes):
+            assert group == "adamw", path
+        if "expert_in" in axes:
+            assert axes.index("expert") not in (np.atleast_1d(dn.reduction_axis).tolist()
+                                                 + np.atleast_1d(dn.output_axis).tolist())
+        if "head_dim" in axes and "heads" in axes and group == "muon":
+            h = axes.index("heads")
+            assert h not in np.atleast_1d(dn.reduction_axis).tolist() + np.atleast_1d(dn.output_axis).tolist()
+
+
+def test_dimension_numbers_tree_matches_param_state(tiny_abstract):
+    dn = optim.muon_dimension_numbers(tiny_abstract)
+    state = nnx.state(tiny_abstract, nnx.Param)
+    is_leaf = lambda x: x is None or isinstance(x, MDN)  # noqa: E731
+    flat_dn = jax.tree_util.tree_flatten_with_path(dn, is_leaf=is_leaf)[0]
+    flat_p = jax.tree_util.tree_flatten_with_path(nnx.as_pure(state))[0]
+    assert [optim.normalize_path(p) for p, _ in flat_dn] == [optim.normalize_path(p) for p, _ in flat_p]
+
+
+def test_weight_decay_mask(tiny_abstract):
+    mask = optim.group_table(tiny_abstract)
+    for path, (group, _, decay) in mask.items():
+        if group == "muon" or path[-1] in ("embed", "lm_head"):
+            assert decay, path
+        else:
+            assert not decay, path
+
+
+def test_weight_decay_is_applied_only_where_masked():
+    """With zero gradients the update is exactly ``-lr * wd * W`` on decayed params, 0 elsewhere."""
+    model = Toy()
+    lr, wd = 0.5, 0.1
+    tx = optim.make_optimizer(_cfg(learning_rate=lr, weight_decay=wd), model, total_steps=10)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+    for name in ("embed", "q_proj", "o_proj", "w_up"):
+        np.testing.assert_allclose(updates[name], -lr * wd * params[name], rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(updates["norm_weight"], 0.0)
+
+
+def test_works_with_nnx_optimizer_and_variable_trees():
+    model = Toy()
+    tx = optim.make_optimizer(_cfg(learning_rate=0.01), model, total_steps=10)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)  # init sees Variables, update sees pure arrays
+    before = np.asarray(model.q_proj[...])
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    nnx.jit(lambda o, m, g: o.update(m, g))(opt, model, grads)
+    assert not np.allclose(before, np.asarray(model.q_proj[...]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules
+
+
+def test_cosine_schedule_values():
+    cfg = OptimConfig(learning_rate=1.0, schedule="cosine", warmup_steps=10, end_lr_fraction=0.1)
+    f = optim.learning_rate_schedule(cfg, total_steps=110)
+    np.testing.assert_allclose(f(0), 0.1, rtol=1e-6)  # (0 + 1) / 10
+    np.testing.assert_allclose(f(4), 0.5, rtol=1e-6)
+    np.testing.assert_allclose(f(9), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(f(10), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(f(60), 0.55, rtol=1e-5)  # halfway: (1 + 0.1) / 2
+    np.testing.assert_allclose(f(110), 0.1, rtol=1e-5)
+    np.testing.assert_allclose(f(500), 0.1, rtol=1e-5)
+    assert float(f(109)) > 0.1
+
+
+def test_cosine_with_explicit_decay_steps():
+    cfg = OptimConfig(learning_rate=2.0, schedule="cosine", warmup_steps=0, decay_steps=50, end_lr_fraction=0.0)
+    f = optim.learning_rate_schedule(cfg, total_steps=200)
+    np.testing.assert_allclose(f(0), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(f(25), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(f(50), 0.0, atol=1e-6)
+    np.testing.assert_allclose(f(150), 0.0, atol=1e-6)
+
+
+def test_wsd_schedule_values():
+    cfg = OptimConfig(learning_rate=1.0, schedule="wsd", warmup_steps=10, decay_steps=20, end_lr_fraction=0.0)
+    f = optim.learning_rate_schedule(cfg, total_steps=100)
+    np.testing.assert_allclose(f(9), 1.0)
+    np.testing.assert_allclose(f(50), 1.0)
+    np.testing.assert_allclose(f(80), 1.0)
+    np.testing.assert_allclose(f(90), 0.5, rtol=1e-6)
+    np.testing.assert_allclose(f(100), 0.0, atol=1e-7)
+    # decay_steps = 0: the last 20% of the run
+    g = optim.learning_rate_schedule(dataclasses.replace(cfg, decay_steps=0, end_lr_fraction=0.1), total_steps=100)
+    np.testing.assert_allclose(g(80), 1.0)
+    np.testing.assert_allclose(g(90), 0.55, rtol=1e-6)
+
+
+def test_constant_schedule_and_adam_lr():
+    cfg = OptimConfig(learning_rate=0.5, schedule="constant", warmup_steps=4)
+    f = optim.learning_rate_schedule(cfg, total_steps=10)
+    np.testing.assert_allclose([float(f(s)) for s in (0, 1, 3, 7)], [0.125, 0.25, 0.5, 0.5])
+    g = optim.learning_rate_schedule(cfg, total_steps=10, peak=0.1)
+    np.testing.assert_allclose(float(g(1)), 0.05, rtol=1e-6)
+    # Under jit with a traced step.
+    np.testing.assert_allclose(jax.jit(f)(jnp.int32(2)), 0.375, rtol=1e-6)
+
+
+def test_adam_learning_rate_is_separate():
+    model = Toy()
+    grads = _scaled_grads(model, [1.0] * 4, [1.0] * 4)
+    u = _muon_update(model, grads, adam_learning_rate=0.25)
+    np.testing.assert_allclose(np.abs(u["embed"]), 0.25, rtol=1e-3)
+    assert 0.1 < _rms(u["q_proj"][:, 0, :]) < 0.25  # Muon keeps lr = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-clip
+
+
+def test_qk_clip_matches_direct_formula():
+    r = np.random.default_rng(0)
+    L, rq, rkv, H, nope, rope, v = 2, 8, 6, 3, 4, 2, 5
+    q_b = r.standard_normal((L, rq, H, nope + rope)).astype(np.float32)
+    kv_b = r.standard_normal((L, rkv, H, nope + v)).astype(np.float32)
+    logits = np.array([[50.0, 150.0, 400.0], [99.0, 100.0, 101.0]], np.float32)
+    tau = 100.0
+    q_new, kv_new = optim.qk_clip_mla(jnp.asarray(q_b), jnp.asarray(kv_b), jnp.asarray(logits), tau,
+                                      qk_nope_head_dim=nope)
+    q_ref, kv_ref = q_b.copy(), kv_b.copy()
+    for layer in range(L):
+        for h in range(H):
+            gamma = min(1.0, tau / logits[layer, h])
+            q_ref[layer, :, h, :nope] *= np.sqrt(gamma)
+            q_ref[layer, :, h, nope:] *= gamma
+            kv_ref[layer, :, h, :nope] *= np.sqrt(gamma)
+    np.testing.assert_allclose(q_new, q_ref, rtol=1e-6)
+    np.testing.assert_allclose(kv_new, kv_ref, rtol=1e-6)
+    # The clipped head's max logit q.k scales by exactly gamma: nope part sqrt*sqrt, rope part gamma.
+    np.testing.assert_allclose(optim.qk_clip_gamma(jnp.asarray(logits), tau),
+                               np.minimum(1.0, tau / logits), rtol=1e-6)
+
+
+def test_qk_clip_in_place_on_model():
+    cfg = load_config("tiny", ["model.num_layers=4", "model.scan_layers=false"]).model
+    model = create_model(cfg)
+    mla = model.prefix[3].mixer
+    q0, kv0 = np.asarray(mla.q_b[...]), np.asarray(mla.kv_b[...])
+    logits = jnp.asarray([10.0, 200.0, 50.0, 400.0])
+    optim.qk_clip(model, {("prefix", 3, "mixer"): logits}, tau=100.0)
+    q_ref, kv_ref = optim.qk_clip_mla(jnp.asarray(q0), jnp.asarray(kv0), logits, 100.0,
+                                      qk_nope_head_dim=cfg.mla.qk_nope_head_dim)
+    np.testing.assert_allclose(mla.q_b[...], q_ref)
+    np.testing.assert_allclose(mla.kv_b[...], kv_ref)
+    np.testing.assert_array_equal(np.asarray(mla.q_b[...])[:, 0], q0[:, 0])  # head 0 below tau
+    with pytest.raises(KeyError):
+        optim.qk_clip(model, {("prefix", 0, "mixer"): logits}, tau=100.0)  # a KDA layer
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+
+
+def _train(model, steps, cfg, tokens):
+    tx = optim.make_optimizer(cfg, model, total_steps=steps)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = tx.init(params)
+
+    def loss_fn(p):
+        logits, _ = nnx.merge(graphdef, p, rest)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.slow
+def test_twenty_steps_reduce_the_tiny_model_loss():
+    cfg = load_config("tiny")
+    model = create_model(cfg.model)
+    tokens = jax.random.randint(jax.random.key(0), (4, 65), 0, cfg.model.vocab_size)
+    losses = _train(model, 20, dataclasses.replace(cfg.train.optim, warmup_steps=2, learning_rate=1e-2), tokens)
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+class ToyLM(Toy):
+    """Embedding -> per-head projection -> output projection -> norm -> lm_head (quick to compile)."""
+
+    def __init__(self):
+        super().__init__(d=32, h=4, dh=8)
+        r = np.random.default_rng(1)
+        with nnx.use_eager_sharding(False):
+            self.lm_head = nnx.Param(jnp.asarray(0.02 * r.standard_normal((32, 32)), jnp.float32),
+                                     out_sharding=("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = self.embed[...][tokens]
+        h = jnp.tanh(jnp.einsum("btd,dhk->bthk", x, self.q_proj[...]))
+        x = x + jnp.einsum("bthk,hkd->btd", h, self.o_proj[...])
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.norm_weight[...]
+        return x @ self.lm_head[...], None
+
+
+def test_twenty_steps_reduce_a_toy_lm_loss():
+    model = ToyLM()
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, 32)
+    cfg = OptimConfig(learning_rate=2e-2, warmup_steps=2, schedule="cosine")
+    losses = _train(model, 20, cfg, tokens)
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.5, losses
