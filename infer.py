@@ -11,6 +11,7 @@ import argparse
 import pathlib
 import sys
 
+import jax
 import numpy as np
 
 from k3jax import checkpoint
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
     expected = load_config(args.config) if args.config else None
     model, cfg = checkpoint.restore_model(ckpt, step=args.step, config=expected)
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if room <= 0:
         raise SystemExit(f"the prompt has {len(prompt)} tokens; the model's context is {cfg.model.max_seq_len}")
     max_new = min(args.max_new_tokens, room)
-    stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    stops = tuple(getattr(tokenizer, "stop_ids", ())) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature, top_k=args.top_k,

@@ -16,7 +16,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
@@ -80,14 +79,12 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
     start = 0
     if mngr.latest_step() is not None:
         start = mngr.latest_step()
-        ts_abs = nnx.state(ts)
         restored = mngr.restore(start, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(nnx.state(ts.model)),
             optimizer=ocp.args.StandardRestore(nnx.state(ts.optimizer)),
             data=_grain_restore(train_iter)))
         nnx.update(ts.model, restored["model"])
         nnx.update(ts.optimizer, restored["optimizer"])
-        del ts_abs
         graphdef, state = nnx.split(ts)
         print(f"resumed from {out / 'checkpoints'} at step {start}", flush=True)
 
@@ -151,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. train.steps=50")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if jax.default_backend() == "cpu":
+        # XLA:CPU spends minutes optimising the train step of even the tiny model; CPU runs are
+        # demos and tests, so trade run-time speed for a several-fold faster compile.
+        jax.config.update("jax_disable_most_optimizations", True)
     print(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
           f"out_dir={cfg.train.out_dir}", flush=True)
     train(cfg, fresh=args.fresh, sample_tokens=args.sample_tokens)
