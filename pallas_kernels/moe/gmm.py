@@ -1,0 +1,266 @@
+"""Grouped matmul over expert-sorted rows (Pallas, TPU Mosaic / interpret), with its two backward products.
+
+- ``gmm(x [M, D], w [E, D, F], group_sizes [E]) -> [M, F]``: rows ``[off_e, off_e + size_e)`` of x
+  (rows sorted by expert) times ``w[e]``; ``transpose_rhs=True`` multiplies by ``w[e]^T`` (w [E, F, D]),
+  which is the input gradient ``dx = dy @ w[e]^T``.
+- ``tgmm(x [M, D], dy [M, F], group_sizes) -> [E, D, F]``: ``x_e^T dy_e`` per group (the weight gradient);
+  empty groups get zeros.
+- ``grouped_matmul`` = ``gmm`` with a ``jax.custom_vjp`` (dx by ``gmm(transpose_rhs)``, dW by ``tgmm``).
+
+Group sizes are run-time values: they are turned into per-grid-step tile metadata (which row tile and
+which group each step works on, as in megablox) and handed to the kernel by scalar prefetch
+(``pltpu.PrefetchScalarGridSpec``), so the index maps pick the weight block of the step's group and
+the grid only visits tiles that hold rows (plus one step per empty group in ``tgmm``). A row tile that
+straddles a group boundary is visited once per group, with a row mask on the store (gmm) or on the
+operands (tgmm). Operands go to the MXU in their own dtype (bf16 stays bf16) with fp32 accumulation
+in a VMEM scratch; rows beyond ``sum(group_sizes)`` come back as zeros.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import HIGHEST, resolve
+
+F32 = jnp.float32
+DEFAULT_TILING = (128, 512, 512)  # (tm rows, tk contraction, tn output columns)
+
+
+def _tile(dim, pref):
+    """Largest tile <= pref that divides dim, lane aligned (multiple of 128), else the whole dim."""
+    if dim <= pref:
+        return dim
+    t = pref - pref % 128
+    while t >= 128:
+        if dim % t == 0:
+            return t
+        t -= 128
+    return dim
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def group_metadata(group_sizes, m, tm, *, visit_empty):
+    """Per-grid-step metadata for row tiles of size tm over m (a multiple of tm) rows.
+
+    Returns ``(offsets [E+1], group_ids [T], tile_ids [T], num_steps)`` with the static bound
+    ``T = m // tm + E - 1`` (``+ 1`` when visit_empty); steps ``>= num_steps`` are never run. Steps are
+    ordered by group, then row tile, so a row tile's visits are consecutive (one per group in it).
+    """
+    E = group_sizes.shape[0]
+    tiles_m = m // tm
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    first_tile = starts // tm
+    last_tile = (ends + tm - 1) // tm  # exclusive
+    n_tiles = jnp.where(gs > 0, last_tile - first_tile, 1 if visit_empty else 0)
+    bound = tiles_m + E - 1 + (1 if visit_empty else 0)
+    step_starts = jnp.cumsum(n_tiles) - n_tiles
+    steps = jnp.arange(bound, dtype=jnp.int32)
+    group_ids = jnp.clip(jnp.searchsorted(step_starts + n_tiles, steps, side="right"), 0, E - 1).astype(jnp.int32)
+    tile_ids = first_tile[group_ids] + (steps - step_starts[group_ids])
+    tile_ids = jnp.clip(tile_ids, 0, tiles_m - 1).astype(jnp.int32)
+    return offsets, group_ids, tile_ids, jnp.sum(n_tiles).astype(jnp.int32)
+
+
+def _row_mask(offsets_ref, group_ids_ref, tile_ids_ref, t, tm):
+    g = group_ids_ref[t]
+    rows = tile_ids_ref[t] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    return (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
+
+
+def _dot(a, b, dims):
+    prec = HIGHEST if a.dtype == F32 else None
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
+
+
+def _resolve(interpret, backend):
+    interpret, backend = resolve(interpret, backend)
+    if backend != "tpu":
+        raise NotImplementedError("the grouped-matmul Pallas kernel is written for TPU (Mosaic) and interpret "
+                                  "mode; use moe_impl=ragged_dot on GPU")
+    return interpret, backend
+
+
+def _check(lhs, group_sizes):
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must be 2-D, got shape {lhs.shape}")
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be a 1-D integer array, got {group_sizes.dtype} {group_sizes.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "out_dtype", "interpret", "backend"))
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=DEFAULT_TILING, out_dtype=None, interpret=None,
+        backend=None):
+    """``out[r] = lhs[r] @ rhs[e(r)]`` (``rhs[e(r)]^T`` with transpose_rhs) for expert-sorted rows r.
+
+    lhs [M, D]; rhs [E, D, F] (or [E, F, D] transposed); group_sizes [E] int with sum <= M. Returns
+    [M, F] in ``out_dtype`` (default lhs.dtype); rows past ``sum(group_sizes)`` are zero.
+    """
+    _check(lhs, group_sizes)
+    interpret, backend = _resolve(interpret, backend)
+    M, D = lhs.shape
+    E = rhs.shape[0]
+    F = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != D or group_sizes.shape != (E,):
+        raise ValueError(f"shape mismatch: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
+    tm, tk, tn = tiling
+    tm = min(tm, _round_up(M, 8))
+    tk, tn = _tile(D, tk), _tile(F, tn)
+    Mp = _round_up(M, tm)
+    x = jnp.pad(lhs, ((0, Mp - M), (0, 0)))
+    offsets, group_ids, tile_ids, num_steps = group_metadata(group_sizes, Mp, tm, visit_empty=False)
+    tiles_k = D // tk
+
+    def kernel(offsets_ref, group_ids_ref, tile_ids_ref, x_ref, w_ref, o_ref, acc_ref):
+        t, kk = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(kk == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+        dims = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
+        acc_ref[...] += _dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), dims)
+
+        @pl.when(kk == tiles_k - 1)
+        def _():
+            mask = _row_mask(offsets_ref, group_ids_ref, tile_ids_ref, t, tm)
+            prev = jnp.where(t > 0, tile_ids_ref[jnp.maximum(t - 1, 0)], -1)
+            first_visit = tile_ids_ref[t] != prev  # the first group in this row tile: rows of no group -> 0
+            old = jnp.where(first_visit, 0.0, o_ref[...].astype(F32))
+            o_ref[...] = jnp.where(mask, acc_ref[...], old).astype(o_ref.dtype)
+
+    if transpose_rhs:
+        w_spec = pl.BlockSpec((pl.Squeezed(), tn, tk), lambda n, t, kk, off, gid, tid: (gid[t], n, kk))
+    else:
+        w_spec = pl.BlockSpec((pl.Squeezed(), tk, tn), lambda n, t, kk, off, gid, tid: (gid[t], kk, n))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(F // tn, num_steps, tiles_k),
+        in_specs=[pl.BlockSpec((tm, tk), lambda n, t, kk, off, gid, tid: (tid[t], kk)), w_spec],
+        out_specs=pl.BlockSpec((tm, tn), lambda n, t, kk, off, gid, tid: (tid[t], n)),
+        scratch_shapes=[pltpu.VMEM((tm, tn), F32)],
+    )
+    isz = lambda d: jnp.dtype(d).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * M * D * F, transcendentals=0,
+        bytes_accessed=M * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + M * F * isz(out_dtype))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((Mp, F), out_dtype),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="gmm",
+    )(offsets, group_ids, tile_ids, x, rhs)
+    out = out[:M]
+    # rows past the last group are never stored: zero them (a tile may hold only such rows)
+    valid = jnp.arange(M) < offsets[-1]
+    return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret", "backend"))
+def tgmm(lhs, dy, group_sizes, *, tiling=DEFAULT_TILING, out_dtype=None, interpret=None, backend=None):
+    """``out[e] = lhs_e^T @ dy_e`` over the rows of group e: lhs [M, D], dy [M, F] -> [E, D, F].
+
+    Empty groups give zeros. out_dtype defaults to lhs.dtype.
+    """
+    _check(lhs, group_sizes)
+    interpret, backend = _resolve(interpret, backend)
+    M, D = lhs.shape
+    F = dy.shape[1]
+    E = group_sizes.shape[0]
+    if dy.shape[0] != M:
+        raise ValueError(f"lhs {lhs.shape} and dy {dy.shape} must have the same rows")
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    cdt = jnp.promote_types(lhs.dtype, dy.dtype)
+    tm, tk, tn = tiling
+    tm = min(tm, _round_up(M, 8))
+    tk, tn = _tile(D, tk), _tile(F, tn)
+    Mp = _round_up(M, tm)
+    x = jnp.pad(lhs, ((0, Mp - M), (0, 0)))
+    g = jnp.pad(dy, ((0, Mp - M), (0, 0)))
+    offsets, group_ids, tile_ids, num_steps = group_metadata(group_sizes, Mp, tm, visit_empty=True)
+
+    def kernel(offsets_ref, group_ids_ref, tile_ids_ref, x_ref, dy_ref, o_ref, acc_ref):
+        t = pl.program_id(2)
+        nt = pl.num_programs(2)
+        gid = group_ids_ref[t]
+        first = (t == 0) | (group_ids_ref[jnp.maximum(t - 1, 0)] != gid)
+        last = (t == nt - 1) | (group_ids_ref[jnp.minimum(t + 1, nt - 1)] != gid)
+
+        @pl.when(first)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+        mask = _row_mask(offsets_ref, group_ids_ref, tile_ids_ref, t, tm)
+        xm = jnp.where(mask, x_ref[...], jnp.zeros((), x_ref.dtype)).astype(cdt)
+        gm = jnp.where(mask, dy_ref[...], jnp.zeros((), dy_ref.dtype)).astype(cdt)
+        acc_ref[...] += _dot(xm, gm, ((0,), (0,)))
+
+        @pl.when(last)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(D // tk, F // tn, num_steps),
+        in_specs=[pl.BlockSpec((tm, tk), lambda kk, n, t, off, gid, tid: (tid[t], kk)),
+                  pl.BlockSpec((tm, tn), lambda kk, n, t, off, gid, tid: (tid[t], n))],
+        out_specs=pl.BlockSpec((pl.Squeezed(), tk, tn), lambda kk, n, t, off, gid, tid: (gid[t], kk, n)),
+        scratch_shapes=[pltpu.VMEM((tk, tn), F32)],
+    )
+    isz = lambda d: jnp.dtype(d).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * M * D * F, transcendentals=0,
+        bytes_accessed=M * D * isz(lhs.dtype) * (F // tn) + M * F * isz(dy.dtype) * (D // tk)
+        + E * D * F * isz(out_dtype))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((E, D, F), out_dtype),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="tgmm",
+    )(offsets, group_ids, tile_ids, x, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_matmul(lhs, rhs, group_sizes, tiling, interpret, backend):
+    return gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+
+
+def _gm_fwd(lhs, rhs, group_sizes, tiling, interpret, backend):
+    out = gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _gm_bwd(tiling, interpret, backend, res, dy):
+    lhs, rhs, group_sizes = res
+    dx = gmm(dy, rhs, group_sizes, transpose_rhs=True, tiling=tiling, out_dtype=lhs.dtype, interpret=interpret,
+             backend=backend)
+    dw = tgmm(lhs, dy, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret, backend=backend)
+    return dx, dw, None
+
+
+_grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, tiling=DEFAULT_TILING, interpret=None, backend=None):
+    """Differentiable ``gmm`` (a drop-in for ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``).
+
+    Gradients: ``dx = gmm(dy, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dy)``; none for group_sizes.
+    """
+    interpret, backend = _resolve(interpret, backend)
+    return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), tuple(tiling), interpret, backend)
