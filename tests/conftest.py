@@ -1,0 +1,39 @@
+"""Shared test setup: make the repo importable without an editable install; XLA settings for tests
+that compile whole models."""
+
+import os
+import pathlib
+import sys
+
+# Tests run on the CPU. With jax[tpu] installed (for the tpu_aot compile tests) libtpu must not try to
+# claim a TPU, and parallel test workers must not fight over libtpu's lock file.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import pytest
+
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+@pytest.fixture(scope="module")
+def fast_xla():
+    """Opt in with ``pytestmark = pytest.mark.usefixtures("fast_xla")``.
+
+    - ``jax_disable_most_optimizations``: XLA:CPU compiles the tiny model 3-7x faster without its
+      optimisation passes (read at compile time); these tests check values, not speed.
+    - ``jax_default_matmul_precision = highest``: float32 matmuls in full precision on every backend
+      (the default on CPU; TPUs would otherwise use bf16 passes), so float64 references apply.
+
+    Both are restored after the module.
+    """
+    import jax
+
+    saved = {"jax_disable_most_optimizations": jax.config.values.get("jax_disable_most_optimizations", False),
+             "jax_default_matmul_precision": jax.config.jax_default_matmul_precision}
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)

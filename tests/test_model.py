@@ -1,0 +1,311 @@
+"""The whole decoder: shapes, finiteness, gradients, scan/remat/bf16 equivalences, packed-document
+isolation for the K3, K2-like and Kimi-Linear-like switch settings, edge-case lengths, input errors.
+
+XLA:CPU needs ~10-20 s per compile of the tiny model, so compiled functions are module-scoped fixtures
+and reused wherever the shapes allow.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import load_config
+from k3jax.model import create_model, segment_positions
+
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def compiled_forward(model):
+    """A jitted ``(state, tokens, segment_ids) -> logits`` for this model's graph."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, tokens, segment_ids=None):
+        return nnx.merge(graphdef, state)(tokens, segment_ids=segment_ids)[0]
+
+    return lambda tokens, segment_ids=None, state=state: fwd(state, tokens, segment_ids)
+
+
+def compiled_grad(model):
+    """A jitted gradient of ``sum(logits * cotangent)`` w.r.t. the model's nnx.Params."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def grad(params, tokens, cot):
+        def loss(p):
+            return jnp.sum(nnx.merge(graphdef, p, rest)(tokens)[0] * cot)
+
+        return jax.grad(loss)(params)
+
+    return lambda tokens, cot: grad(params, tokens, cot)
+
+
+def iter_layers(model):
+    """The model's DecoderLayers in depth order (the scanned groups unstacked)."""
+    layers = list(model.prefix)
+    if model.groups is not None:
+        graphdef, state = nnx.split(model.groups)
+        for g in range(model.plan.num_groups):
+            layers.extend(nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state)).layers)
+    layers.extend(model.suffix)
+    return layers
+
+
+def pure(module):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module)))
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def tokens(shape, seed=0, vocab=256):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+T_MAIN = 37  # not a multiple of tiny's KDA chunk (16)
+TOK = tokens((2, T_MAIN))
+
+# Packed rows: row 0 = docs A | B | C | 2 padding tokens (segment ids 1, 2, 3, 0: documents start
+# mid-chunk); rows 1 and 2 hold B and C alone, followed by unrelated tokens that causality hides.
+LA, LB, LC, T_PACK = 13, 21, 4, 40
+
+
+def _packing_batch():
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(0, 256, n) for n in (LA, LB, LC))
+    junk = lambda n: rng.integers(0, 256, n)  # noqa: E731
+    tok = np.stack([np.concatenate([a, b, c, junk(T_PACK - LA - LB - LC)]),
+                    np.concatenate([b, junk(T_PACK - LB)]),
+                    np.concatenate([c, junk(T_PACK - LC)])])
+    seg = np.stack([np.repeat([1, 2, 3, 0], [LA, LB, LC, T_PACK - LA - LB - LC]),
+                    np.ones(T_PACK, int), np.full(T_PACK, 5)])
+    return jnp.asarray(tok, jnp.int32), jnp.asarray(seg, jnp.int32)
+
+
+PACK_TOK, PACK_SEG = _packing_batch()
+
+
+def check_packing(fwd, packed_logits=None):
+    """B and C inside the pack must give the logits they give alone."""
+    out = np.asarray(fwd(PACK_TOK, PACK_SEG) if packed_logits is None else packed_logits)
+    err_b = rel_err(out[0, LA:LA + LB], out[1, :LB])
+    err_c = rel_err(out[0, LA + LB:LA + LB + LC], out[2, :LC])
+    assert err_b < 1e-4 and err_c < 1e-4, (err_b, err_c)
+    # control: the same pack with one segment id everywhere does let B see A (same shapes: no recompile)
+    leak = np.asarray(fwd(PACK_TOK, jnp.ones_like(PACK_SEG)))
+    assert rel_err(leak[0, LA:LA + LB], out[1, :LB]) > 1e-3
+    return max(err_b, err_c)
+
+
+# tiny with 6 layers and an MLA every 2nd layer: dense KDA layer 0, two scanned [MLA, KDA] groups and a
+# final MLA, so the prefix / scan / suffix paths, KDA, MLA, MoE and AttnRes (blocks close at 0 and 4) are
+# all there at about half the compile time of the 13-layer tiny.
+TINY6 = ["model.num_layers=6", "model.mla_period=2"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The 13-layer tiny, compiled once, on the packed batch (the None-segment path runs in tiny6)."""
+    cfg = load_config("tiny").model
+    model = create_model(cfg, seed=0)
+    fwd = compiled_forward(model)
+    return cfg, model, fwd, fwd(PACK_TOK, PACK_SEG)
+
+
+@pytest.fixture(scope="module")
+def tiny6():
+    cfg = load_config("tiny", TINY6).model
+    model = create_model(cfg, seed=0)
+    assert model.plan.prefix == (0,) and model.plan.num_groups == 2 and model.plan.suffix == (5,)
+    fwd = compiled_forward(model)
+    return cfg, model, fwd, fwd(TOK)
+
+
+# ----------------------------------------------------------------------------- shapes, grads
+
+
+def test_tiny_forward_shape_and_finite(tiny):
+    cfg, model, _, logits = tiny
+    assert T_PACK % cfg.kda.chunk_size != 0
+    assert model.groups is not None and model.suffix  # prefix, scanned groups and suffix all run
+    assert logits.shape == (3, T_PACK, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    assert float(jnp.std(logits[0, 1:] - logits[0, :-1])) > 0  # depends on the token
+
+
+def model_grads(model, tok, seed=1):
+    cot = jnp.asarray(np.random.default_rng(seed).standard_normal(tok.shape + (model.cfg.vocab_size,)), jnp.float32)
+    grads = compiled_grad(model)(tok, cot)
+    return {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
+
+
+def check_grads_finite_nonzero(model, flat):
+    assert len(flat) == sum(1 for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
+    zero = set()
+    for name, g in flat.items():
+        assert np.all(np.isfinite(g)), name
+        stacked = name.startswith("groups/")  # leading axis = the scanned layers: check each one
+        for row in (g if stacked else [g]):
+            if not np.any(row != 0):
+                zero.add(name)
+    # Expected exact zeros at initialisation, and nothing else:
+    # - layer 0's attention-side AttnRes mixes a single source (the embedding, SPEC §4): its softmax is
+    #   constant, so its pseudo-query and gain get no gradient;
+    # - every AttnRes gain enters only as (gain * query) and the queries start at zero (SPEC §4), so the
+    #   gains' gradients are zero until the queries move.
+    expected = {n for n in flat if n.endswith("_res_mix/norm") or n.startswith("prefix/0/attn_res_mix/")}
+    assert zero == expected, (sorted(zero - expected), sorted(expected - zero))
+
+
+@pytest.fixture(scope="module")
+def tiny6_grads(tiny6):
+    return model_grads(tiny6[1], TOK)
+
+
+def test_tiny6_grads_finite_and_nonzero(tiny6, tiny6_grads):
+    check_grads_finite_nonzero(tiny6[1], tiny6_grads)
+
+
+@pytest.mark.slow
+def test_tiny_grads_finite_and_nonzero(tiny):
+    check_grads_finite_nonzero(tiny[1], model_grads(tiny[1], TOK))
+
+
+def _flat(tree, prefix=()):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+@pytest.mark.slow
+def test_small_grads_finite_and_nonzero():
+    model = create_model(load_config("small").model, seed=0)
+    check_grads_finite_nonzero(model, model_grads(model, tokens((1, 70), seed=2)))
+
+
+def test_small_forward_shape_and_finite():
+    cfg = load_config("small").model
+    model = create_model(cfg, seed=0)
+    assert model.groups is not None
+    tok = tokens((1, 70), seed=2)  # 70: not a multiple of small's KDA chunk (64)
+    logits = compiled_forward(model)(tok)
+    assert logits.shape == (1, 70, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+# ----------------------------------------------------------------------------- equivalences
+
+
+def test_scan_on_off_same_params_and_logits(tiny6):
+    cfg, model, _, logits = tiny6
+    unrolled = create_model(dataclasses.replace(cfg, scan_layers=False), seed=0)
+    assert unrolled.groups is None and len(unrolled.prefix) == cfg.num_layers
+    # same seed, same parameter order: every layer's parameters are identical
+    scanned_layers = iter_layers(model)
+    assert len(scanned_layers) == cfg.num_layers
+    for i, (a, b) in enumerate(zip(scanned_layers, unrolled.prefix)):
+        assert a.kind == b.kind, i
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), pure(a), pure(b))
+    top = lambda m: {k: v for k, v in pure(m).items() if k not in ("prefix", "groups", "suffix")}  # noqa: E731
+    assert set(top(model)) == {"embed", "lm_head", "final_norm", "final_res_mix"}
+    jax.tree.map(np.testing.assert_array_equal, top(model), top(unrolled))
+    # the stacked params are not trivially equal across layers (a scan over copies would pass anyway)
+    assert not np.array_equal(pure(scanned_layers[2].mixer)["o_proj"], pure(scanned_layers[4].mixer)["o_proj"])
+    out = compiled_forward(unrolled)(TOK)
+    err = rel_err(out, logits)
+    assert err < 1e-5, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_identical_grads(tiny6, tiny6_grads, remat):
+    cfg = tiny6[0]
+    assert cfg.remat == "none"
+    model = create_model(dataclasses.replace(cfg, remat=remat), seed=0)
+    flat = model_grads(model, TOK)
+    assert flat.keys() == tiny6_grads.keys()
+    errs = {k: rel_err(flat[k], tiny6_grads[k]) for k in flat if np.any(tiny6_grads[k] != 0)}
+    assert all(not np.any(flat[k] != 0) for k in flat if k not in errs)
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_bf16_compute_close_to_fp32(tiny6):
+    """bf16 has an 8-bit mantissa (unit roundoff 2^-9 ~ 2e-3); with ~30 matmul/norm stages the logits
+    drift by a few percent of their scale at most. 5% (norm-wise) bounds that while still catching a
+    wrong cast (e.g. a bf16 softmax or a dropped residual gives O(1) errors)."""
+    cfg, _, _, logits = tiny6
+    model = create_model(dataclasses.replace(cfg, dtype="bfloat16"), seed=0)
+    out = compiled_forward(model)(TOK)
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+    a, b = np.asarray(out, np.float64), np.asarray(logits, np.float64)
+    err = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert 0 < err < 5e-2, err  # > 0: bf16 really was used
+    assert np.mean(a.argmax(-1) == b.argmax(-1)) > 0.8
+
+
+# ----------------------------------------------------------------------------- packing isolation
+
+
+def test_packing_isolation_tiny(tiny):
+    _, _, fwd, logits = tiny
+    check_packing(fwd, logits)
+
+
+K2_LIKE = ["model.layout=mla", "model.num_layers=3", "model.mla.rope=yarn", "model.mla.rope_interleave=true",
+           "model.mla.yarn={factor: 4.0, original_max_position: 16, beta_fast: 32.0, beta_slow: 1.0, "
+           "mscale: 1.0, mscale_all_dim: 1.0}", "model.mla.output_gate=false", "model.activation=swiglu",
+           "model.moe.latent_dim=0", "model.moe.routed_scaling_factor=2.5", "model.attn_res.enabled=false"]
+KIMI_LINEAR_LIKE = ["model.num_layers=4", "model.kda.gate=softplus", "model.kda.output_gate=low_rank",
+                    "model.mla.q_lora_rank=0", "model.mla.output_gate=false", "model.activation=swiglu",
+                    "model.moe.latent_dim=0", "model.attn_res.enabled=false"]
+
+
+@pytest.mark.parametrize("overrides", [K2_LIKE, KIMI_LINEAR_LIKE], ids=["k2_like", "kimi_linear_like"])
+def test_packing_isolation_other_families(overrides):
+    model = create_model(load_config("tiny", overrides).model, seed=0)
+    check_packing(compiled_forward(model))
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+def test_single_token(tiny6):
+    cfg, model, fwd, logits = tiny6
+    out = fwd(TOK[:, :1])
+    assert out.shape == (2, 1, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(out)))
+    # causality: the first position of the longer sequence saw the same single token
+    err = rel_err(out, logits[:, :1])
+    assert err < 1e-5, err
+
+
+def test_bad_inputs_raise(tiny):
+    _, model, _, _ = tiny
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(jnp.zeros((5,), jnp.int32))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(jnp.zeros((1, 2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.zeros((1, 5), jnp.int32))
+    if hasattr(model, "init_cache"):  # packing is for training; a decode cache takes token_valid instead
+        with pytest.raises(ValueError, match="segment_ids"):
+            model(jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.ones((1, 4), jnp.int32), cache=model.init_cache(1, 8))
+
+
+def test_segment_positions():
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0, 3], [4, 4, 4, 4, 4, 4, 4, 4], [1, 2, 1, 1, 2, 2, 2, 0]])
+    expected = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            expected[b, t] = expected[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    np.testing.assert_array_equal(np.asarray(segment_positions(jnp.asarray(seg))), expected)
