@@ -29,9 +29,10 @@ shapes stay static under ``jit``:
   when the chunk contains a reset.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 # fp32 matmuls at full precision: TPUs (bf16 passes) and GPUs (TF32) otherwise round the operands,
 # and the delta rule feeds every rounding error back into the state.
@@ -139,6 +140,23 @@ def _split_cumsum(g, axis):
     g_hi = jax.lax.stop_gradient(jnp.round(g / _G_GRID) * _G_GRID)
     G_hi, G_lo = jnp.cumsum(jnp.stack([g_hi, g - g_hi]), axis=axis + 1)
     return G_hi, G_lo
+
+
+def _unit_lower_inverse(L):
+    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]``, with matmuls only.
+
+    ``N = -L`` is nilpotent (``N^C = 0``), so ``(I - N)^-1 = I + N + ... + N^(C-1)
+    = (I + N)(I + N^2)(I + N^4)...``: ``ceil(log2 C)`` squarings. (LAPACK's batched triangular solve
+    on XLA:CPU waits on its own thread pool and deadlocks on small machines; matmuls also suit TPUs.)
+    """
+    C = L.shape[-1]
+    n = -L
+    inv = jnp.eye(C, dtype=L.dtype) + n
+    power = n
+    for _ in range(max(math.ceil(math.log2(C)), 1) - 1):
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_PRECISION)
+        inv = inv + jnp.einsum("...ij,...jk->...ik", inv, power, precision=_PRECISION)
+    return inv
 
 
 def kda_step(state, q_t, k_t, v_t, g_t, beta_t, scale=None):
@@ -252,7 +270,7 @@ def chunk_kda(
     L = beta[..., :, None] * jnp.where(jnp.eye(C, dtype=bool), 0.0, A_kk)  # strictly lower
 
     rhs = beta[..., None] * jnp.concatenate([v, jnp.where(reads_state, jnp.exp(G) * k, 0.0)], axis=-1)
-    UW = solve_triangular(L + jnp.eye(C, dtype=dtype), rhs, lower=True, unit_diagonal=True)
+    UW = jnp.einsum("...ij,...jd->...id", _unit_lower_inverse(L), rhs, precision=_PRECISION)
     U, W = UW[..., :V], UW[..., V:]  # [B, N, H, C, V], [B, N, H, C, K]
     q_gamma = jnp.where(reads_state, q * jnp.exp(G), 0.0)  # [B, N, H, C, K]
     decay_to_end = jnp.exp((G_hi[..., -1:, :] - G_hi) + (G_lo[..., -1:, :] - G_lo))  # [B, N, H, C, K], <= 1
