@@ -1,7 +1,8 @@
 """MoE routing and dropless grouped-expert compute (the reference for the Pallas dispatch kernel).
 
-Tokens are sorted by expert and run through ``jax.lax.ragged_dot``, so the FLOPs scale with top-k,
-not with the number of experts, and no token is ever dropped.
+Tokens are sorted by expert and run through ``jax.lax.ragged_dot``, so on TPU and GPU the FLOPs scale
+with top-k, not with the number of experts, and no token is ever dropped. (XLA:CPU has no ragged
+matmul: jax lowers it to a dense masked matmul over all groups, so CPU cost grows with E.)
 """
 
 from typing import NamedTuple
