@@ -2,50 +2,76 @@
 
 With no arguments this is the CPU demo: the ``tiny`` K3 (every K3 mechanism at toy width) trained
 on the bundled King James Bible slice with a byte-level tokenizer, checkpointed under
-``runs/default``, then sampled. Re-running resumes from the latest checkpoint of the same
-``train.out_dir`` (pass ``--fresh`` to start over).
+``runs/default``, then sampled. Re-running resumes from the latest checkpoint of the same run
+directory (``run_dir=...``, an alias of ``train.out_dir=...``; pass ``--fresh`` to start over).
+Ctrl-C finishes the current step, saves a checkpoint and exits; the same command resumes.
+
+The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
+and, at the end, ``loss.png`` (``k3jax/run_log.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
+from tqdm import tqdm
 
 from k3jax import checkpoint
 from k3jax.config import Config, load_config, to_dict
 from k3jax.data.pipeline import make_train_dataset
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
-from k3jax.model import create_model
+from k3jax.model import create_model, plan_layers
 from k3jax.optim import learning_rate_schedule, make_optimizer
-from k3jax.training import TrainState, make_eval_step, make_train_step
+from k3jax.run_log import RunLog, plot_losses
+from k3jax.training import TrainState, expert_imbalance_layers, make_eval_step, make_train_step
 
 DEMO_PROMPT = "In the beginning"
+EVAL_BATCHES = 4
+EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 
 
-def _log(record: dict, sink) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    sink.write(line + "\n")
-    sink.flush()
+class _StopRequest(contextlib.AbstractContextManager):
+    """Turns the first Ctrl-C into a request honoured between steps (so the state is never caught
+    half-donated); a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
-def _evaluate(eval_step, state, eval_iter, num_batches: int) -> float:
+def _evaluate(eval_step, state, cfg: Config, tokenizer) -> float:
     nll = count = 0.0
-    for _ in range(num_batches):
-        try:
-            batch = next(eval_iter)
-        except StopIteration:
+    eval_iter = iter(make_train_dataset(cfg.train, tokenizer, split="eval"))
+    for _ in range(EVAL_BATCHES):
+        batch = next(eval_iter, None)
+        if batch is None:
             break
         n, c = eval_step(state, batch)
         nll, count = nll + float(n), count + float(c)
@@ -53,108 +79,116 @@ def _evaluate(eval_step, state, eval_iter, num_batches: int) -> float:
 
 
 def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict:
+    """Train (or resume) ``cfg``; returns the last logged ``loss``, ``eval_loss``, ``sample`` and
+    ``interrupted`` (True when stopped by Ctrl-C after saving)."""
     tc = cfg.train
     out = pathlib.Path(tc.out_dir)
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     tokenizer = load_tokenizer(tc.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tc.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}")
-    train_ds = make_train_dataset(tc, tokenizer, split="train", process_index=jax.process_index(),
-                                  process_count=jax.process_count())
-    train_iter = iter(train_ds)
-
+    train_iter = iter(make_train_dataset(tc, tokenizer, split="train", process_index=jax.process_index(),
+                                         process_count=jax.process_count()))
     model = create_model(cfg.model, seed=tc.seed)
     with nnx.use_eager_sharding(False):
         ts = TrainState(model, make_optimizer(tc.optim, model, tc.steps))
+    mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
+                              item_names=checkpoint.TRAIN_ITEMS)
+    start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter) or 0
+    if start:
+        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}")
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
+    step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
+    moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
 
-    mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
-                              item_names=("config", "model", "optimizer", "data"))
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        restored = mngr.restore(start, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(nnx.state(ts.model)),
-            optimizer=ocp.args.StandardRestore(nnx.state(ts.optimizer)),
-            data=_grain_restore(train_iter)))
-        nnx.update(ts.model, restored["model"])
-        nnx.update(ts.optimizer, restored["optimizer"])
-        graphdef, state = nnx.split(ts)
-        print(f"resumed from {out / 'checkpoints'} at step {start}", flush=True)
-
-    step_fn = make_train_step(graphdef, cfg)
-    metrics_file = open(out / "metrics.jsonl", "a")
-    t0, tokens_seen, loss = time.time(), 0.0, float("nan")
-    for step in range(start, tc.steps):
-        batch = next(train_iter)
-        state, metrics = step_fn(state, batch)
-        tokens_seen += float(metrics["tokens"])
-        if not bool(metrics["finite"]):
-            print(f"step {step + 1}: non-finite loss or gradient; update skipped", flush=True)
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-            loss = float(metrics["loss"])
-            dt = time.time() - t0
-            _log({"step": step + 1, "loss": round(loss, 4), "grad_norm": round(float(metrics["grad_norm"]), 4),
-                  "lr": float(schedule(step)), "tokens_per_s": round(tokens_seen / dt, 1)}, metrics_file)
-            t0, tokens_seen = time.time(), 0.0
-        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
-            ts = nnx.merge(graphdef, state)
-            mngr.save(step + 1, args=ocp.args.Composite(
-                config=ocp.args.JsonSave(to_dict(cfg)), model=ocp.args.StandardSave(nnx.state(ts.model)),
-                optimizer=ocp.args.StandardSave(nnx.state(ts.optimizer)), data=_grain_save(train_iter)))
+    log = RunLog(out)
+    record, eval_loss, saved_step, step = {}, float("nan"), start, start
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
+    t0, tokens_seen = time.perf_counter(), 0.0
+    with _StopRequest() as stop:
+        while step < tc.steps and not stop.requested:
+            state, metrics = step_fn(state, next(train_iter))
+            step += 1
+            bar.update(1)
+            tokens_seen += float(metrics["tokens"])
+            if not bool(metrics["finite"]):
+                tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
+            if step % tc.log_every == 0 or step == tc.steps:
+                dt = time.perf_counter() - t0
+                imbalance = np.asarray(metrics["expert_imbalance"])
+                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
+                          "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
+                log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}",
+                                imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
+                t0, tokens_seen = time.perf_counter(), 0.0
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                log.write({"step": step, "eval_loss": _evaluate(eval_fn, state, cfg, tokenizer)})
+            if step % tc.checkpoint_every == 0 or step == tc.steps or stop.requested:
+                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter)
+                saved_step = step
+    bar.close()
     mngr.wait_until_finished()
     mngr.close()
+    if step < tc.steps:
+        log.close()
+        print(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
+              f"Run the same command to resume.", flush=True)
+        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
 
-    eval_iter = iter(make_train_dataset(tc, tokenizer, split="eval"))
-    eval_loss = _evaluate(make_eval_step(graphdef, cfg), state, eval_iter, num_batches=4)
-    _log({"step": tc.steps, "eval_loss": round(eval_loss, 4)}, metrics_file)
-    metrics_file.close()
+    eval_loss = _evaluate(eval_fn, state, cfg, tokenizer)
+    log.write({"step": tc.steps, "eval_loss": eval_loss})
+    log.close()
+    plot = plot_losses(out)
+    print(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
+          f"metrics in {out / 'metrics.jsonl'}, plot {plot}", flush=True)
 
-    model = nnx.merge(graphdef, state).model
     sample = ""
     if sample_tokens:
+        model = nnx.merge(graphdef, state).model
         prompt = np.asarray([tokenizer.encode(DEMO_PROMPT)], np.int32)
         stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
         out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
                               temperature=0.0, stop_tokens=stops)
         sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
         print(f"\n--- sample (greedy) ---\n{sample}\n", flush=True)
-    return {"loss": loss, "eval_loss": eval_loss, "sample": sample}
+    return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
+            "interrupted": False}
 
 
-def _grain_save(it):
-    import grain
-
-    return grain.checkpoint.CheckpointSave(it)
+def _expand_aliases(overrides: list[str]) -> list[str]:
+    return [f"train.out_dir={o.split('=', 1)[1]}" if o.startswith("run_dir=") else o for o in overrides]
 
 
-def _grain_restore(it):
-    import grain
-
-    return grain.checkpoint.CheckpointRestore(it)
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny", help="config name (configs/<name>.yaml) or YAML path")
-    ap.add_argument("--fresh", action="store_true", help="delete train.out_dir first instead of resuming")
+    ap.add_argument("--fresh", action="store_true", help="delete the run directory first instead of resuming")
     ap.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample after training (0: none)")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. train.steps=50")
+    ap.add_argument("overrides", nargs="*",
+                    help="dotted key=value config overrides, e.g. train.steps=50 run_dir=runs/exp1")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, _expand_aliases(args.overrides))
     if jax.default_backend() == "cpu":
         # XLA:CPU spends minutes optimising the train step of even the tiny model; CPU runs are
         # demos and tests, so trade run-time speed for a several-fold faster compile.
         jax.config.update("jax_disable_most_optimizations", True)
     print(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
-          f"out_dir={cfg.train.out_dir}", flush=True)
-    train(cfg, fresh=args.fresh, sample_tokens=args.sample_tokens)
+          f"run_dir={cfg.train.out_dir}", flush=True)
+    try:
+        result = train(cfg, fresh=args.fresh, sample_tokens=args.sample_tokens)
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return EXIT_INTERRUPTED if result["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,13 @@
 
 Layout: ``<directory>/<step>/{config, model[, optimizer, data]}`` written by one
 ``orbax.checkpoint.CheckpointManager``: ``config`` is the run's config as JSON, ``model`` the NNX
-state of the model (parameters and router-bias state). Any of these directories restores into a
-model with :func:`restore_model`; the config travels with the weights, so nothing else is needed.
+state of the model (parameters and router-bias state), ``optimizer`` the optimizer state (step count
+included), ``data`` the grain iterator's position. Any of these directories restores into a model
+with :func:`restore_model`; the config travels with the weights, so nothing else is needed.
+
+Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a
+run killed mid-save leaves the previous step as the latest. A checkpoint that fails to read raises
+:class:`CheckpointError` naming it; nothing is deleted or overwritten.
 """
 
 from __future__ import annotations
@@ -16,6 +21,17 @@ from flax import nnx
 
 from k3jax.config import Config, from_dict, to_dict
 from k3jax.model import K3Model, abstract_model
+
+TRAIN_ITEMS = ("config", "model", "optimizer", "data")
+# Train fields that may change when a run resumes: how long and how it is logged and saved.
+# Everything else (model, optimizer, data, batch, seed, ...) must match, or the resumed run would
+# silently differ from the one that was checkpointed.
+RESUMABLE_TRAIN_FIELDS = frozenset({"steps", "log_every", "eval_every", "checkpoint_every",
+                                    "keep_checkpoints", "out_dir"})
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored (corrupt, partial or from an incompatible run)."""
 
 
 def manager(directory: str | pathlib.Path, *, max_to_keep: int | None = None, save_interval_steps: int = 1,
@@ -64,6 +80,61 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
     return nnx.merge(graphdef, raw["model"]), saved
 
 
+def save_train_state(mngr: ocp.CheckpointManager, step: int, config: Config, train_state, data_iter) -> None:
+    """Save model, optimizer (with its step count) and data-iterator position as ``step``
+    (asynchronously if the manager is; call ``mngr.wait_until_finished()`` before exiting)."""
+    import grain
+
+    mngr.save(step, args=ocp.args.Composite(
+        config=ocp.args.JsonSave(to_dict(config)), model=ocp.args.StandardSave(nnx.state(train_state.model)),
+        optimizer=ocp.args.StandardSave(nnx.state(train_state.optimizer)),
+        data=grain.checkpoint.CheckpointSave(data_iter)), force=True)
+
+
+def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter) -> int | None:
+    """Restore the latest checkpoint of ``mngr`` into ``train_state`` (in place) and ``data_iter``;
+    returns its step, or None when there is none.
+
+    Raises :class:`CheckpointError` if the checkpoint was written by a run whose config differs in
+    anything but :data:`RESUMABLE_TRAIN_FIELDS`, or if it cannot be read.
+    """
+    import grain
+
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    where = f"{mngr.directory}/{step}"
+    hint = (f"Nothing was deleted. Delete {where} to resume from the previous checkpoint, or start over "
+            f"with --fresh or another run_dir.")
+    try:
+        saved = from_dict(mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+    except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
+        raise CheckpointError(f"cannot read the config of checkpoint {where}: {type(e).__name__}: {e}. {hint}") from e
+    mismatch = _config_mismatch(config, saved)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {where} was written by a different run: {mismatch}. Resume with the "
+                              f"same config, or start over with --fresh or another run_dir.")
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(nnx.state(train_state.model)),
+            optimizer=ocp.args.StandardRestore(nnx.state(train_state.optimizer)),
+            data=grain.checkpoint.CheckpointRestore(data_iter)))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {where} is corrupt or incomplete ({type(e).__name__}: {e}). {hint}") from e
+    nnx.update(train_state.model, restored["model"])
+    nnx.update(train_state.optimizer, restored["optimizer"])
+    return step
+
+
+def _config_mismatch(current: Config, saved: Config) -> str:
+    a, b = to_dict(current), to_dict(saved)
+    a.pop("name", None), b.pop("name", None)
+    for d in (a, b):
+        for f in RESUMABLE_TRAIN_FIELDS:
+            d.get("train", {}).pop(f, None)
+    return _diff(a, b, prefix="")
+
+
 def _resolve_step(mngr: ocp.CheckpointManager, directory, step: int | None) -> int:
     steps = mngr.all_steps()
     if not steps:
@@ -79,13 +150,15 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
     out = []
     for k in sorted(set(a) | set(b)):
         va, vb = a.get(k), b.get(k)
+        name = f"{prefix}.{k}" if prefix else k
         if isinstance(va, dict) and isinstance(vb, dict):
-            sub = _diff(va, vb, f"{prefix}.{k}")
+            sub = _diff(va, vb, name)
             if sub:
                 out.append(sub)
         elif va != vb:
-            out.append(f"{prefix}.{k}: expected {va!r}, checkpoint has {vb!r}")
+            out.append(f"{name}: expected {va!r}, checkpoint has {vb!r}")
     return "; ".join(out)
 
 
-__all__ = ["latest_step", "manager", "restore_config", "restore_model", "save_model"]
+__all__ = ["CheckpointError", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "manager",
+           "restore_config", "restore_model", "restore_train_state", "save_model", "save_train_state"]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 class ExactStats(NamedTuple):
     margins: jax.Array  # [m, n] s_ij - alpha_i; -inf rows for padding tokens
     num_tokens: jax.Array  # [] float32 real tokens
+    load: jax.Array  # [n] float32 real tokens routed to each expert (a metric; unused by the rule)
 
 
 class HistogramStats(NamedTuple):
@@ -33,6 +34,7 @@ class HistogramStats(NamedTuple):
     num_tokens: jax.Array  # [] float32
     low: jax.Array  # [] float32 lower edge of bin 0
     high: jax.Array  # [] float32 upper edge of the last bin
+    load: jax.Array  # [n] float32 real tokens routed to each expert
 
 
 def margin_range(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -47,22 +49,26 @@ def router_statistics(scores: jax.Array, threshold: jax.Array, bias: jax.Array, 
     mask = jnp.ones(scores.shape[:1], bool) if token_mask is None else token_mask
     margins = scores - threshold[:, None]
     num_tokens = jnp.sum(mask).astype(jnp.float32)
+    # Same float32 ops as the router's selection (s + b vs alpha), so the count is exact.
+    selected = scores + jax.lax.stop_gradient(bias.astype(jnp.float32)) > threshold[:, None]
+    load = jnp.sum(selected & mask[:, None], axis=0).astype(jnp.float32)
     if method == "exact":
-        return ExactStats(jnp.where(mask[:, None], margins, -jnp.inf), num_tokens)
+        return ExactStats(jnp.where(mask[:, None], margins, -jnp.inf), num_tokens, load)
     if method == "histogram":
         low, high = margin_range(bias.astype(jnp.float32))
         width = (high - low) / num_bins
         idx = jnp.clip(jnp.floor((margins - low) / width).astype(jnp.int32), 0, num_bins - 1)  # [N, n]
         onehot = jax.nn.one_hot(idx, num_bins, dtype=jnp.float32) * mask[:, None, None]
-        return HistogramStats(jnp.sum(onehot, axis=0), num_tokens, low, high)
+        return HistogramStats(jnp.sum(onehot, axis=0), num_tokens, low, high, load)
     raise ValueError(f"unknown quantile balancing method {method!r}")
 
 
 def merge(a, b):
     """Pool the statistics of two micro-batches (same bias, hence the same histogram range)."""
     if isinstance(a, ExactStats):
-        return ExactStats(jnp.concatenate([a.margins, b.margins], axis=-2), a.num_tokens + b.num_tokens)
-    return HistogramStats(a.counts + b.counts, a.num_tokens + b.num_tokens, a.low, a.high)
+        return ExactStats(jnp.concatenate([a.margins, b.margins], axis=-2), a.num_tokens + b.num_tokens,
+                          a.load + b.load)
+    return HistogramStats(a.counts + b.counts, a.num_tokens + b.num_tokens, a.low, a.high, a.load + b.load)
 
 
 def new_bias(stats: ExactStats | HistogramStats, top_k: int) -> jax.Array:
@@ -91,6 +97,11 @@ def new_bias(stats: ExactStats | HistogramStats, top_k: int) -> jax.Array:
         quantile = stats.low + (bin_idx + 1.0 - jnp.clip(frac, 0.0, 1.0)) * width
     b = -quantile
     return b - jnp.mean(b)
+
+
+def load_imbalance(stats: ExactStats | HistogramStats) -> jax.Array:
+    """Max over mean expert load (1 = perfectly balanced, ``n / k`` = every token on the same k)."""
+    return jnp.max(stats.load, axis=-1) / jnp.maximum(jnp.mean(stats.load, axis=-1), 1e-9)
 
 
 def apply(model, stats: dict, top_k: int) -> None:

@@ -13,8 +13,8 @@ import optax
 from flax import nnx
 
 from k3jax import quantile_balancing as qb
-from k3jax.config import Config
-from k3jax.model import K3Model
+from k3jax.config import Config, ModelConfig
+from k3jax.model import K3Model, LayerPlan
 
 
 class TrainState(nnx.Module):
@@ -51,17 +51,48 @@ def _merge_stacked_stats(stats: dict) -> dict:
         if isinstance(st, qb.ExactStats):
             m = st.margins  # [A, ..., N, E] -> [..., A*N, E]
             m = jnp.moveaxis(m, 0, -3)
-            return qb.ExactStats(m.reshape(m.shape[:-3] + (-1, m.shape[-1])), jnp.sum(st.num_tokens, 0))
-        return qb.HistogramStats(jnp.sum(st.counts, 0), jnp.sum(st.num_tokens, 0), st.low[0], st.high[0])
+            return qb.ExactStats(m.reshape(m.shape[:-3] + (-1, m.shape[-1])), jnp.sum(st.num_tokens, 0),
+                                 jnp.sum(st.load, 0))
+        return qb.HistogramStats(jnp.sum(st.counts, 0), jnp.sum(st.num_tokens, 0), st.low[0], st.high[0],
+                                 jnp.sum(st.load, 0))
 
     return {k: pool(v) for k, v in stats.items()}
+
+
+def _stats_layers(plan: LayerPlan, key: tuple) -> list[int]:
+    """Layer indices of a statistics entry (a stacked entry covers one layer per scanned group)."""
+    if key[0] == "groups":
+        period = len(plan.group_kinds)
+        return [plan.group_start + g * period + key[2] for g in range(plan.num_groups)]
+    return [(plan.prefix if key[0] == "prefix" else plan.suffix)[key[1]]]
+
+
+def expert_imbalance(stats: dict, plan: LayerPlan) -> jax.Array:
+    """Max/mean expert load ``[L]`` of each MoE layer, in ascending layer order (the layers of
+    :func:`expert_imbalance_layers`), from ``model.forward``'s statistics."""
+    entries = []
+    for key, st in stats.items():
+        entries += zip(_stats_layers(plan, key), jnp.atleast_1d(qb.load_imbalance(st)))
+    entries.sort(key=lambda e: e[0])
+    return jnp.stack([v for _, v in entries]) if entries else jnp.zeros((0,), jnp.float32)
+
+
+def expert_imbalance_layers(plan: LayerPlan, cfg: ModelConfig) -> list[int]:
+    """The layer index of each entry of the ``expert_imbalance`` metric (MoE layers with Quantile
+    Balancing statistics)."""
+    if cfg.moe.balancing != "quantile" or not cfg.moe.router_bias:
+        return []
+    return [i for i in range(cfg.num_layers) if cfg.ffn(i) == "moe"]
 
 
 def make_train_step(graphdef, cfg: Config):
     """``step(state, batch) -> (state, metrics)`` over the split TrainState, jitted with donation.
 
     batch: numpy/jax dict with ``tokens, segment_ids, positions, targets, loss_mask`` of shape
-    ``[batch_size, seq_len]``; split into ``train.grad_accum`` micro-batches.
+    ``[batch_size, seq_len]``; split into ``train.grad_accum`` micro-batches. metrics: ``loss`` (mean
+    nll per counted token), ``grad_norm`` (before clipping), ``tokens``, ``finite`` (False: the
+    update was skipped), ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the
+    order of :func:`expert_imbalance_layers`, measured with the bias this step routed with).
     """
     accum, z_loss = cfg.train.grad_accum, cfg.train.z_loss
     top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
@@ -105,7 +136,8 @@ def make_train_step(graphdef, cfg: Config):
             return nnx.state(ts_)
 
         new_state = jax.lax.cond(finite, apply, skip, nnx.state(ts))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite,
+                   "expert_imbalance": expert_imbalance(stats, ts.model.plan)}
         return new_state, metrics
 
     return step

@@ -1,0 +1,95 @@
+"""What a training run leaves in its run directory: ``metrics.jsonl``, TensorBoard events, ``loss.png``.
+
+``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``expert_imbalance`` = ``{layer: max/mean expert load}``, ...) and one per
+evaluation (``step``, ``eval_loss``). A resumed run appends; if the run had logged steps past its
+last checkpoint, those steps appear twice and the later record wins (:func:`read_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LOSS_PLOT = "loss.png"
+
+
+class RunLog:
+    """Appends records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True):
+        self.run_dir = pathlib.Path(run_dir)
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # local: a heavy import only the trainer needs
+
+            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for name, value in _scalars(record):
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _scalars(record: dict[str, Any], prefix: str = ""):
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/layer_")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+
+
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, one per (step, kind), the latest kept, sorted by step."""
+    latest: dict[tuple[int, bool], dict] = {}
+    path = pathlib.Path(run_dir) / METRICS_FILE
+    for line in path.read_text().splitlines() if path.exists() else ():
+        rec = json.loads(line)
+        latest[(rec["step"], "eval_loss" in rec)] = rec
+    return [latest[k] for k in sorted(latest)]
+
+
+def plot_losses(run_dir: str | pathlib.Path) -> pathlib.Path | None:
+    """Write ``loss.png`` (train loss per logged step, eval loss as points); None if nothing to plot."""
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(pathlib.Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = pathlib.Path(run_dir) / LOSS_PLOT
+    fig.savefig(out, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+__all__ = ["LOSS_PLOT", "METRICS_FILE", "RunLog", "TENSORBOARD_DIR", "plot_losses", "read_metrics"]

@@ -1,0 +1,188 @@
+"""train.py end to end: a run stopped by Ctrl-C and resumed reproduces the per-step losses of an
+uninterrupted run bit for bit; corrupt, partial and mismatched checkpoints fail clearly and are kept."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from k3jax import checkpoint
+from k3jax.config import load_config
+from k3jax.run_log import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# A few-layer tiny K3 (KDA, MLA, AttnRes, latent MoE with QB, per-head Muon all on) on short rows.
+SMALL = ["model.num_layers=5", "train.seq_len=32", "train.batch_size=4", "train.grad_accum=2",
+         "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
+STEPS = 12
+
+
+def _train_cmd(run_dir, *extra):
+    return [sys.executable, str(ROOT / "train.py"), "--sample-tokens", "0", *SMALL, f"train.steps={STEPS}",
+            f"run_dir={run_dir}", *extra]
+
+
+def _env(cache_dir):
+    # One compile for the three processes: the persistent cache serves the later ones.
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+
+
+def _logged_steps(run_dir) -> int:
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()), default=0)
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_resume_reproduces_every_loss(tmp_path):
+    env = _env(tmp_path / "jax_cache")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    subprocess.run(_train_cmd(straight), env=env, check=True, capture_output=True, timeout=900)
+
+    proc = subprocess.Popen(_train_cmd(stopped), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    while _logged_steps(stopped) < 5 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=600)[0].decode()
+    assert proc.returncode == 130, output
+    stop_step = _logged_steps(stopped)
+    assert 5 <= stop_step < STEPS, output
+    assert stop_step in checkpoint.manager(stopped / "checkpoints").all_steps(), "Ctrl-C did not save"
+
+    resumed = subprocess.run(_train_cmd(stopped), env=env, check=True, capture_output=True, timeout=900)
+    assert f"resumed from {stopped / 'checkpoints'} at step {stop_step}" in (resumed.stdout + resumed.stderr).decode()
+
+    want, got = read_metrics(straight), read_metrics(stopped)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got):
+        for key in ("loss", "grad_norm", "lr", "expert_imbalance", "eval_loss"):
+            assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+    losses = [r["loss"] for r in want if "loss" in r]
+    assert len(losses) == STEPS and np.all(np.isfinite(losses))
+    assert (straight / "loss.png").stat().st_size > 0
+    assert any((straight / "tensorboard").iterdir())
+
+
+# --- checkpoint failures (no compilation: the state is saved and restored eagerly) -----------------
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A checkpoint of a fresh tiny TrainState at step 3, and the config that wrote it."""
+    from flax import nnx
+
+    from k3jax.data.pipeline import make_train_dataset
+    from k3jax.model import create_model
+    from k3jax.optim import make_optimizer
+    from k3jax.training import TrainState
+
+    run = tmp_path_factory.mktemp("run")
+    cfg = load_config("tiny", SMALL + [f"train.out_dir={run}"])
+    state = _train_state(cfg, create_model, make_optimizer, TrainState, nnx)
+    it = iter(make_train_dataset(cfg.train))
+    next(it)
+    with checkpoint.manager(run / "checkpoints", item_names=checkpoint.TRAIN_ITEMS) as mngr:
+        checkpoint.save_train_state(mngr, 3, cfg, state, it)
+        mngr.wait_until_finished()
+    return cfg, run / "checkpoints", next(it)
+
+
+def _train_state(cfg, create_model, make_optimizer, TrainState, nnx, seed=None):
+    model = create_model(cfg.model, seed=cfg.train.seed if seed is None else seed)
+    with nnx.use_eager_sharding(False):
+        return TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
+
+
+def _restore(cfg, directory, seed=1):
+    from flax import nnx
+
+    from k3jax.data.pipeline import make_train_dataset
+    from k3jax.model import create_model
+    from k3jax.optim import make_optimizer
+    from k3jax.training import TrainState
+
+    state = _train_state(cfg, create_model, make_optimizer, TrainState, nnx, seed=seed)
+    it = iter(make_train_dataset(cfg.train))
+    with checkpoint.manager(directory, item_names=checkpoint.TRAIN_ITEMS) as mngr:
+        step = checkpoint.restore_train_state(mngr, cfg, state, it)
+    return step, state, it
+
+
+def test_restore_brings_back_state_and_data_position(saved_run):
+    from flax import nnx
+
+    cfg, directory, next_batch = saved_run
+    longer = load_config("tiny", SMALL + [f"train.out_dir={directory.parent}", "train.steps=500"])
+    step, state, it = _restore(longer, directory)  # train.steps may change on resume
+    assert step == 3
+    reference = nnx.state(checkpoint.restore_model(directory)[0])
+    for a, b in zip(jax_leaves(nnx.state(state.model)), jax_leaves(reference)):
+        np.testing.assert_array_equal(a, b)
+    for k, v in next(it).items():
+        np.testing.assert_array_equal(v, next_batch[k])
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+@pytest.mark.parametrize("override,field", [("model.hidden_size=32", "model.hidden_size"),
+                                            ("train.batch_size=8", "train.batch_size"),
+                                            ("train.optim.learning_rate=0.1", "train.optim.learning_rate")])
+def test_config_mismatch_is_caught(saved_run, override, field):
+    cfg, directory, _ = saved_run
+    other = load_config("tiny", SMALL + [f"train.out_dir={directory.parent}", override])
+    with pytest.raises(checkpoint.CheckpointError, match=field.replace(".", r"\.")):
+        _restore(other, directory)
+
+
+def test_corrupt_checkpoint_fails_clearly_and_is_kept(saved_run, tmp_path):
+    cfg, directory, _ = saved_run
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    for f in (copy / "3" / "model").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data files
+            f.write_bytes(b"not a tensorstore chunk")
+    with pytest.raises(checkpoint.CheckpointError, match=r"corrupt or incomplete.*Nothing was deleted"):
+        _restore(cfg, copy)
+    assert (copy / "3" / "model").is_dir()
+    assert checkpoint.manager(copy).all_steps() == [3]
+
+
+def test_partial_save_is_ignored(saved_run, tmp_path):
+    """A save killed before orbax's final rename leaves a tmp directory; the last complete step wins."""
+    cfg, directory, _ = saved_run
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    (copy / "7.orbax-checkpoint-tmp-1234" / "model").mkdir(parents=True)
+    step, _, _ = _restore(cfg, copy)
+    assert step == 3
+
+
+def test_train_cli_reports_a_mismatch_without_touching_checkpoints(saved_run, capsys):
+    import jax
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    cfg, directory, _ = saved_run
+    before = sorted(p.name for p in directory.iterdir())
+    fast = jax.config.values.get("jax_disable_most_optimizations", False)  # train.main sets it on CPU
+    try:
+        code = train.main(["--sample-tokens", "0", *SMALL, "model.hidden_size=32", f"run_dir={directory.parent}"])
+    finally:
+        jax.config.update("jax_disable_most_optimizations", fast)
+    assert code == 1
+    assert "model.hidden_size" in capsys.readouterr().err
+    assert sorted(p.name for p in directory.iterdir()) == before
