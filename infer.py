@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
     expected = load_config(args.config) if args.config else None
-    model, cfg = checkpoint.restore_model(ckpt, step=args.step, config=expected)
+    try:
+        model, cfg = checkpoint.restore_model(ckpt, step=args.step, config=expected)
+    except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     tokenizer = load_tokenizer(cfg.train.data.tokenizer)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:

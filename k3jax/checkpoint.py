@@ -57,7 +57,11 @@ def latest_step(directory: str | pathlib.Path) -> int | None:
 def restore_config(directory: str | pathlib.Path, *, step: int | None = None) -> tuple[Config, int]:
     with manager(directory, async_save=False) as mngr:
         step = _resolve_step(mngr, directory, step)
-        raw = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        try:
+            raw = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read the config of checkpoint {directory}/{step} "
+                                  f"({type(e).__name__}: {e})") from e
     return from_dict(raw["config"]), step
 
 
@@ -76,7 +80,11 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else None
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_state)
     with manager(directory, async_save=False) as mngr:
-        raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
+        try:
+            raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
+        except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
+            raise CheckpointError(f"checkpoint {directory}/{step} is corrupt or incomplete "
+                                  f"({type(e).__name__}: {e})") from e
     return nnx.merge(graphdef, raw["model"]), saved
 
 

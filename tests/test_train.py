@@ -156,6 +156,8 @@ def test_corrupt_checkpoint_fails_clearly_and_is_kept(saved_run, tmp_path):
             f.write_bytes(b"not a tensorstore chunk")
     with pytest.raises(checkpoint.CheckpointError, match=r"corrupt or incomplete.*Nothing was deleted"):
         _restore(cfg, copy)
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or incomplete"):  # infer.py's path
+        checkpoint.restore_model(copy)
     assert (copy / "3" / "model").is_dir()
     assert checkpoint.manager(copy).all_steps() == [3]
 
