@@ -17,7 +17,11 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_frequencies(dim: int, theta: float, yarn=None) -> tuple[jax.Array, float]:
-    """Inverse frequencies ``[dim // 2]`` and the cos/sin scale (YaRN's attention factor)."""
+    """Inverse frequencies ``[dim // 2]`` and the cos/sin scale (YaRN's attention factor).
+
+    Computed in float32 on purpose, like the reference implementations the released weights were
+    trained with: float64 frequencies are "more exact" but move K2's YaRN angles ~2x further from HF's.
+    """
     pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
     inv_freq = 1.0 / pos_freqs
     if yarn is None or yarn.factor <= 1.0:
