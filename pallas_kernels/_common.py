@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -23,10 +24,15 @@ def target_platform():
 def resolve(interpret, backend):
     """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
 
-    backend: ``"tpu"`` (Mosaic TPU), ``"gpu"`` or None (the target platform's; on CPU the TPU kernel
-    is interpreted). interpret: None = interpret when the target platform (``target_platform``) is
-    neither a TPU nor a GPU; True = the generic Pallas interpreter; a ``pltpu.InterpretParams`` is
+    backend: ``"tpu"`` (Mosaic TPU), ``"gpu"`` (Triton) or None (the target platform's; on CPU the TPU
+    kernel is interpreted). interpret: None = interpret when the target platform (``target_platform``)
+    is neither a TPU nor a GPU; True = the generic Pallas interpreter; a ``pltpu.InterpretParams`` is
     passed through (TPU-semantics interpreter: simulated VMEM/DMA, NaN-filled scratch).
+
+    The platform must be known at trace time. ``jax.export(..., platforms=["cuda"])`` on a CPU host traces
+    before it names the platform, so ``target_platform()`` is ``"cpu"`` there: pass ``backend="gpu",
+    interpret=False``, or trace under a GPU mesh (``jax.sharding.use_abstract_mesh`` with an
+    ``AbstractDevice(..., platform="cuda")``), as the TPU AOT path does with a topology mesh.
     """
     platform = target_platform()
     if backend is None:
@@ -39,9 +45,22 @@ def resolve(interpret, backend):
 
 
 def compiler_params(backend, dimension_semantics):
+    """Mosaic TPU compiler parameters (the GPU kernels use ``triton_params``)."""
     if backend != "tpu":
-        raise NotImplementedError(f"no {backend} lowering for these kernels yet")
+        raise NotImplementedError(f"compiler_params is for the TPU kernels; the {backend} kernels use triton_params")
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+
+
+def triton_params(num_warps, num_stages):
+    """Pallas Triton compiler parameters: passing them makes ``pl.pallas_call`` lower to Triton on GPU (the
+    default GPU lowering of jax 0.10.2 is Mosaic GPU, which these kernels are not written for)."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n, minimum=1):
+    """Smallest power of two >= max(n, minimum) (Triton blocks are powers of two)."""
+    n = max(int(n), int(minimum))
+    return 1 << (n - 1).bit_length()
 
 
 BF16_3X = "bf16_3x"

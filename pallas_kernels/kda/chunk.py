@@ -1,6 +1,10 @@
 """Chunkwise KDA as Pallas kernels: ``chunk_kda``, interchangeable with ``k3jax.ops.chunk_kda``.
 
-Structure (all Pallas parts are TPU Mosaic kernels, run in interpret mode on CPU):
+This file holds the TPU (Mosaic) kernels and the public entry point; ``backend="gpu"`` dispatches to the
+Triton kernels of ``chunk_gpu.py`` (same preparation and custom-VJP structure, per-sub-tile algebra of
+``_tiles.py``). Both run in interpret mode on CPU.
+
+TPU structure:
 
 - XLA preparation (differentiated by ordinary autodiff): pad T to whole chunks, ``kb = beta*k`` and
   ``vb = beta*v`` (so beta needs no lane-sparse block of its own), the sub-tile-local cumsum ``Gs`` of
@@ -327,14 +331,18 @@ def _kda_pallas(q, k, v, g, beta, h0, segment_ids, cfg):
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
-              segment_ids=None, interpret=None, backend=None, safe_gate=None, backward="pallas"):
+              segment_ids=None, interpret=None, backend=None, safe_gate=None, backward="pallas", gpu_options=None):
     """Pallas chunkwise KDA; same arguments and results as ``k3jax.ops.chunk_kda``.
 
     Extra keyword arguments:
 
-    - ``interpret``: None = interpret when the default device is neither TPU nor GPU; True = the
-      generic Pallas interpreter; a ``pltpu.InterpretParams`` = the TPU-semantics interpreter.
-    - ``backend``: ``"tpu"`` (Mosaic), ``"gpu"`` or None (from the default device).
+    - ``interpret``: None = interpret when the target platform (``_common.target_platform``: the current
+      mesh's, else the default device's) is neither TPU nor GPU; True = the generic Pallas interpreter
+      (runs either backend's kernel on CPU); a ``pltpu.InterpretParams`` = the TPU-semantics interpreter.
+    - ``backend``: ``"tpu"`` (Mosaic, this file), ``"gpu"`` (Triton, ``chunk_gpu.py``) or None (the
+      target platform's; TPU on a CPU host).
+    - ``gpu_options``: GPU only, a dict of ``chunk_gpu.chunk_kda_gpu``'s ``block_v``, ``num_warps``,
+      ``num_stages``.
     - ``safe_gate``: True = every 16x16 diagonal tile is a dense matmul (valid when every sum of g over
       16 consecutive tokens is >= -80, e.g. the K3 gate with lower bound -5); False = exact per-pair
       exponents on the diagonal tiles (any g <= 0, e.g. the softplus gate); None = choose at run time
@@ -346,8 +354,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     - ``backward``: ``"pallas"`` (the Pallas backward kernel) or ``"xla"`` (VJP of the pure-JAX reference).
 
     Gradients: dq, dk, dv, dg, dbeta and d initial_state (``jax.custom_vjp``); none for segment_ids.
-    Numerics: matmul operands in the input dtype (bf16 -> bf16 MXU operands) with fp32 accumulation;
-    state, gate algebra and the triangular inverse in fp32.
+    Numerics: matmul operands in the input dtype (bf16 -> bf16 MXU / tensor-core operands) with fp32
+    accumulation; state, gate algebra and the triangular inverse in fp32.
     """
     B, T, H, K, V, dtype = ref_kda._check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if dtype != F32:
@@ -357,11 +365,18 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % BC:
         raise ValueError(f"chunk_size must be a positive multiple of {BC}, got {chunk_size!r}")
     interpret, backend = resolve(interpret, backend)
-    if backend != "tpu":
-        raise NotImplementedError("the KDA Pallas kernel is written for TPU (Mosaic) and interpret mode; "
-                                  "use kda_impl=xla on GPU")
+    if backward not in ("pallas", "xla"):
+        raise ValueError(f"backward must be 'pallas' or 'xla', got {backward!r}")
     io = [x.dtype for x in (q, k, v)]
     mmdt = jnp.bfloat16 if jnp.bfloat16 in io else (jnp.float16 if jnp.float16 in io else F32)
+    if backend == "gpu":  # the Triton kernels (chunk_gpu.py)
+        from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+
+        o, hT = chunk_kda_gpu(q, k, v, g, beta, scale=float(K**-0.5 if scale is None else scale),
+                              initial_state=initial_state, segment_ids=segment_ids,
+                              chunk=min(chunk_size, -(-T // BC) * BC), interpret=interpret, safe_gate=safe_gate,
+                              mmdt=mmdt, backward=backward, **(gpu_options or {}))
+        return o, (hT if output_final_state else None)
     cfg = Config(
         scale=float(K**-0.5 if scale is None else scale),
         C=min(chunk_size, -(-T // BC) * BC),
@@ -372,8 +387,6 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         mmdt=mmdt,
         heads_last=(K % 128 == 0 and V % 128 == 0) or H == 1,
     )
-    if backward not in ("pallas", "xla"):
-        raise ValueError(f"backward must be 'pallas' or 'xla', got {backward!r}")
     fn = _kda_pallas if backward == "pallas" else _kda_xla_bwd
     o, hT = fn(q, k, v, g, beta, initial_state, segment_ids, cfg)
     return o, (hT if output_final_state else None)

@@ -7,12 +7,14 @@ from pallas_kernels.moe.gmm import DEFAULT_TILING, gmm, group_metadata, grouped_
 
 
 def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0,
-                        tiling=DEFAULT_TILING, interpret=None, backend=None):
+                        tiling=None, interpret=None, backend=None):
     """Drop-in for ``k3jax.ops.moe.grouped_glu_experts`` with the three matmuls in Pallas.
 
     x ``[N, D]``, experts ``[N, k]`` int, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]``. Returns the
     per-pair outputs ``[N, k, D]`` (unweighted) in x's dtype. Same sort-by-expert permutation as the
     reference; the GLU runs in XLA between the kernels (fp32, as ``k3jax.ops.activations.glu``).
+    tiling: ``(tm, tk, tn)`` or None (the backend's default); backend ``"tpu"`` (Mosaic), ``"gpu"``
+    (Triton, ``gmm_gpu.py``) or None (the target platform's).
     """
     n, k = experts.shape
     num_experts = w_gate.shape[0]

@@ -1,4 +1,5 @@
-"""Grouped matmul over expert-sorted rows (Pallas, TPU Mosaic / interpret), with its two backward products.
+"""Grouped matmul over expert-sorted rows (Pallas: TPU Mosaic here, GPU Triton in ``gmm_gpu.py``; interpret
+mode on CPU), with its two backward products. The public functions dispatch on ``backend``.
 
 - ``gmm(x [M, D], w [E, D, F], group_sizes [E]) -> [M, F]``: rows ``[off_e, off_e + size_e)`` of x
   (rows sorted by expert) times ``w[e]``; ``transpose_rhs=True`` multiplies by ``w[e]^T`` (w [E, F, D]),
@@ -7,7 +8,7 @@
   empty groups get zeros.
 - ``grouped_matmul`` = ``gmm`` with a ``jax.custom_vjp`` (dx by ``gmm(transpose_rhs)``, dW by ``tgmm``).
 
-Group sizes are run-time values: they are turned into per-grid-step tile metadata (which row tile and
+TPU kernels: group sizes are run-time values: they are turned into per-grid-step tile metadata (which row tile and
 which group each step works on, as in megablox) and handed to the kernel by scalar prefetch
 (``pltpu.PrefetchScalarGridSpec``), so the index maps pick the weight block of the step's group and
 the grid only visits tiles that hold rows (plus one step per empty group in ``tgmm``). A row tile that
@@ -24,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import HIGHEST, resolve
+from pallas_kernels.moe import gmm_gpu
 
 F32 = jnp.float32
 DEFAULT_TILING = (128, 512, 512)  # (tm rows, tk contraction, tn output columns)
@@ -82,11 +84,14 @@ def _dot(a, b, dims):
 
 
 def _resolve(interpret, backend):
-    interpret, backend = resolve(interpret, backend)
-    if backend != "tpu":
-        raise NotImplementedError("the grouped-matmul Pallas kernel is written for TPU (Mosaic) and interpret "
-                                  "mode; use moe_impl=ragged_dot on GPU")
-    return interpret, backend
+    return resolve(interpret, backend)
+
+
+def _tiling(tiling, backend):
+    """The backend's default tiling when None (TPU: DEFAULT_TILING; GPU: gmm_gpu.DEFAULT_TILING)."""
+    if tiling is None:
+        return gmm_gpu.DEFAULT_TILING if backend == "gpu" else DEFAULT_TILING
+    return tuple(tiling)
 
 
 def _check(lhs, group_sizes):
@@ -97,21 +102,25 @@ def _check(lhs, group_sizes):
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "out_dtype", "interpret", "backend"))
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=DEFAULT_TILING, out_dtype=None, interpret=None,
-        backend=None):
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=None, interpret=None, backend=None):
     """``out[r] = lhs[r] @ rhs[e(r)]`` (``rhs[e(r)]^T`` with transpose_rhs) for expert-sorted rows r.
 
     lhs [M, D]; rhs [E, D, F] (or [E, F, D] transposed); group_sizes [E] int with sum <= M. Returns
-    [M, F] in ``out_dtype`` (default lhs.dtype); rows past ``sum(group_sizes)`` are zero.
+    [M, F] in ``out_dtype`` (default lhs.dtype); rows past ``sum(group_sizes)`` are zero. tiling:
+    ``(tm, tk, tn)`` or None (the backend's default); ``backend="gpu"`` runs ``gmm_gpu.gmm`` (Triton).
     """
     _check(lhs, group_sizes)
     interpret, backend = _resolve(interpret, backend)
+    tiling = _tiling(tiling, backend)
     M, D = lhs.shape
     E = rhs.shape[0]
     F = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != D or group_sizes.shape != (E,):
         raise ValueError(f"shape mismatch: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    if backend == "gpu":
+        return gmm_gpu.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, tiling=tiling, out_dtype=out_dtype,
+                           interpret=interpret)
     cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
     tm, tk, tn = tiling
     tm = min(tm, _round_up(M, 8))
@@ -170,19 +179,22 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=DEFAULT_TILING, ou
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret", "backend"))
-def tgmm(lhs, dy, group_sizes, *, tiling=DEFAULT_TILING, out_dtype=None, interpret=None, backend=None):
+def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, backend=None):
     """``out[e] = lhs_e^T @ dy_e`` over the rows of group e: lhs [M, D], dy [M, F] -> [E, D, F].
 
-    Empty groups give zeros. out_dtype defaults to lhs.dtype.
+    Empty groups give zeros. out_dtype defaults to lhs.dtype. tiling / backend as in ``gmm``.
     """
     _check(lhs, group_sizes)
     interpret, backend = _resolve(interpret, backend)
+    tiling = _tiling(tiling, backend)
     M, D = lhs.shape
     F = dy.shape[1]
     E = group_sizes.shape[0]
     if dy.shape[0] != M:
         raise ValueError(f"lhs {lhs.shape} and dy {dy.shape} must have the same rows")
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    if backend == "gpu":
+        return gmm_gpu.tgmm(lhs, dy, group_sizes, tiling=tiling, out_dtype=out_dtype, interpret=interpret)
     cdt = jnp.promote_types(lhs.dtype, dy.dtype)
     tm, tk, tn = tiling
     tm = min(tm, _round_up(M, 8))
@@ -257,10 +269,10 @@ def _gm_bwd(tiling, interpret, backend, res, dy):
 _grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, tiling=DEFAULT_TILING, interpret=None, backend=None):
+def grouped_matmul(lhs, rhs, group_sizes, *, tiling=None, interpret=None, backend=None):
     """Differentiable ``gmm`` (a drop-in for ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``).
 
     Gradients: ``dx = gmm(dy, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dy)``; none for group_sizes.
     """
     interpret, backend = _resolve(interpret, backend)
-    return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), tuple(tiling), interpret, backend)
+    return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), _tiling(tiling, backend), interpret, backend)
