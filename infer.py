@@ -1,8 +1,14 @@
 """Generate text with a trained k3jax model: ``python infer.py [--checkpoint PATH] --prompt "..."``.
 
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
-unless ``--step``) or a run directory containing one. Without ``--checkpoint`` the latest run of the
-default main job (``runs/default``) is used. Tokens are streamed to the terminal as they are produced.
+unless ``--step``) or a run directory containing one, or a Hugging Face model directory (e.g. a
+``to_hf`` / ``k3jax.convert`` export; MXFP4-packed experts stay packed and are dequantized on the
+fly). Without ``--checkpoint`` the latest run of the default main job (``runs/default``) is used.
+Tokens are streamed to the terminal as they are produced.
+
+``--image PATH`` (repeatable; a model with ``model.vision.enabled``) puts each image's placeholder
+block (``<|media_begin|>image WxH<|media_content|>`` + pads + ``<|media_end|>``) before the prompt
+text; the vision tower's features replace the pads in the prefill.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import jax
 import numpy as np
 
 from k3jax import checkpoint
-from k3jax.config import load_config
+from k3jax.config import Config, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
 
@@ -34,6 +40,20 @@ def _checkpoint_dir(path: str | None) -> pathlib.Path:
     if not p.exists():
         raise SystemExit(f"checkpoint path {p} does not exist")
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+
+
+def _is_hf_dir(path: pathlib.Path) -> bool:
+    """A Hugging Face model directory: config.json and safetensors weights."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _load_hf(path: pathlib.Path):
+    """The model of a HF directory; routed experts stored MXFP4-packed are kept packed."""
+    from k3jax.interop import from_hf, load_hf_config
+
+    _, info = load_hf_config(path)
+    model = from_hf(path, keep_mxfp4=info.mxfp4)
+    return model, Config(name=path.name, model=model.cfg)
 
 
 class _Printer:
@@ -59,23 +79,43 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
     ap.add_argument("--prompt", required=True)
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image shown before the prompt (repeatable; needs a vision model)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="'byte', a tokenizer.json or tiktoken.model (default: the checkpoint's "
+                    "train.data.tokenizer; for a HF directory the tokenizer files in it)")
     args = ap.parse_args(argv)
 
     if jax.default_backend() == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
     expected = load_config(args.config) if args.config else None
+    hf = _is_hf_dir(ckpt)
     try:
-        model, cfg = checkpoint.restore_model(ckpt, step=args.step, config=expected)
+        model, cfg = _load_hf(ckpt) if hf else checkpoint.restore_model(ckpt, step=args.step, config=expected)
+        tokenizer = load_tokenizer(args.tokenizer or (str(ckpt) if hf else cfg.train.data.tokenizer))
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    tokenizer = load_tokenizer(cfg.train.data.tokenizer)
-    prompt = tokenizer.encode(args.prompt)
+    images = None
+    if args.image:
+        if not cfg.model.vision.enabled:
+            raise SystemExit("--image needs a model with a vision tower (model.vision.enabled), e.g. "
+                             "`python train.py --config tiny_vl`")
+        from k3jax.vision.inputs import pack_images
+        from k3jax.vision.processor import build_tokens
+
+        try:
+            prompt, processed = build_tokens([*map(pathlib.Path, args.image), args.prompt], cfg.model.vision,
+                                             tokenizer.encode)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: cannot read image: {e}") from None
+        images = pack_images([processed], cfg.model.vision.merge_size)
+    else:
+        prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise SystemExit("the prompt is empty after tokenisation")
     if max(prompt) >= cfg.model.vocab_size:
@@ -88,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, stop_tokens=stops, seed=args.seed, stream=_Printer(tokenizer))
+             top_p=args.top_p, stop_tokens=stops, seed=args.seed, stream=_Printer(tokenizer), images=images)
     sys.stdout.write("\n")
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from k3jax import checkpoint
 from k3jax.config import Config, load_config, to_dict
-from k3jax.data.pipeline import make_train_dataset
+from k3jax.data.images import make_dataset
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
 from k3jax.model import create_model, plan_layers
@@ -68,7 +68,7 @@ class _StopRequest(contextlib.AbstractContextManager):
 
 def _evaluate(eval_step, state, cfg: Config, tokenizer) -> float:
     nll = count = 0.0
-    eval_iter = iter(make_train_dataset(cfg.train, tokenizer, split="eval"))
+    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval"))
     for _ in range(EVAL_BATCHES):
         batch = next(eval_iter, None)
         if batch is None:
@@ -76,6 +76,18 @@ def _evaluate(eval_step, state, cfg: Config, tokenizer) -> float:
         n, c = eval_step(state, batch)
         nll, count = nll + float(n), count + float(c)
     return nll / max(count, 1.0)
+
+
+def _init_weights(model, source: str) -> None:
+    """Copy the model weights (and router-bias state) of another run's latest checkpoint into
+    ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
+    src = pathlib.Path(source)
+    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src)
+    want, got = nnx.state(model), nnx.state(loaded)
+    layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
+    if layout(want) != layout(got):
+        raise checkpoint.CheckpointError(f"train.init_from={source}: its model has another architecture")
+    nnx.update(model, got)
 
 
 def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict:
@@ -91,8 +103,8 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tc.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}")
-    train_iter = iter(make_train_dataset(tc, tokenizer, split="train", process_index=jax.process_index(),
-                                         process_count=jax.process_count()))
+    train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
+                                   process_count=jax.process_count()))
     model = create_model(cfg.model, seed=tc.seed)
     with nnx.use_eager_sharding(False):
         ts = TrainState(model, make_optimizer(tc.optim, model, tc.steps))
@@ -101,6 +113,9 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
     start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter) or 0
     if start:
         tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}")
+    elif tc.init_from:
+        _init_weights(ts.model, tc.init_from)
+        tqdm.write(f"initialised the model from {tc.init_from}")
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     schedule = learning_rate_schedule(tc.optim, tc.steps)

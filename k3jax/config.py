@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from k3jax.quant.formats import GROUP_SIZE as MX_BLOCK
+
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -125,9 +127,18 @@ class MoEConfig:
     balancing: Literal["quantile", "none"] = "quantile"
     qb_method: Literal["exact", "histogram"] = "histogram"
     qb_bins: int = 256
+    # Expert-parallel token exchange over the ``expert`` mesh axis (k3jax/parallel/expert.py):
+    # "auto" = ragged_all_to_all on TPU / GPU, all_gather on CPU (which lacks ragged_all_to_all).
+    ep_dispatch: Literal["auto", "ragged_all_to_all", "all_to_all", "all_gather"] = "auto"
+    # Rows each device reserves for the (token, expert) pairs it receives, in units of its fair share
+    # n*k: 0 = the worst case (dropless); c > 0 caps it at c*n*k and drops what overflows.
+    ep_capacity_factor: float = 0.0
 
     def validate(self, prefix: str) -> None:
         _check(self.num_experts > 0, f"{prefix}.num_experts", "must be positive")
+        _check(self.ep_dispatch in ("auto", "ragged_all_to_all", "all_to_all", "all_gather"), f"{prefix}.ep_dispatch",
+               f"must be auto, ragged_all_to_all, all_to_all or all_gather, got {self.ep_dispatch!r}")
+        _check(self.ep_capacity_factor >= 0, f"{prefix}.ep_capacity_factor", "must be >= 0 (0 = dropless)")
         _check(0 < self.top_k <= self.num_experts, f"{prefix}.top_k",
                f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         _check(self.num_shared_experts >= 0, f"{prefix}.num_shared_experts", "must be >= 0")
@@ -149,6 +160,90 @@ class AttnResConfig:
 
     def validate(self, prefix: str) -> None:
         _check(self.block_size > 0, f"{prefix}.block_size", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Microscaling quantization of the routed experts (docs/quantization.md, ``k3jax/quant``).
+
+    Only the routed experts' w1 / w3 / w2 are quantized, as in the K3 release; attention, the latent
+    projections, shared experts, dense FFNs and routers stay in ``param_dtype``. Also accepted as a
+    top-level ``quant`` section / ``quant.*`` overrides (an alias of ``model.quant``).
+    """
+
+    # "none": dense experts. "mxfp4_qat": quantization-aware training, the experts' MXFP4
+    # fake-quantized values in the forward pass, a straight-through gradient to the high-precision
+    # master weights. "mxfp4": deployment, experts held packed (uint8 codes + E8M0 scales, 4.25 bits
+    # per weight) and dequantized on the fly in the forward pass; not trainable.
+    experts: Literal["none", "mxfp4_qat", "mxfp4"] = "none"
+    # "mxfp8": the expert matmuls' inputs fake-quantized to MXFP8 E4M3 (per token, blocks of 32 along
+    # the contraction axis), with a straight-through gradient in training, as K3 serves them.
+    activations: Literal["none", "mxfp8"] = "none"
+    # MX scale rule (k3jax/quant/formats.py): "ceil" (default, the release's rule as far as its bytes
+    # tell: the smallest scale that does not clip; idempotent), "aiter" (the same but ties round the
+    # scale up, AITER's e8m0 rounding), "ocp" (the OCP spec's floor rule; clips block peaks).
+    scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"
+    activation_scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"  # MXFP8 inputs: the serving kernels' rule
+
+    def validate(self, prefix: str = "model.quant") -> None:
+        _check(self.experts in ("none", "mxfp4_qat", "mxfp4"), f"{prefix}.experts",
+               f"must be none, mxfp4_qat or mxfp4, got {self.experts!r}")
+        _check(self.activations in ("none", "mxfp8"), f"{prefix}.activations",
+               f"must be none or mxfp8, got {self.activations!r}")
+        for f in ("scale_rule", "activation_scale_rule"):
+            _check(getattr(self, f) in ("ceil", "aiter", "ocp"), f"{prefix}.{f}",
+                   f"must be ceil, aiter or ocp, got {getattr(self, f)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT vision tower + projector + image processor (k3jax/vision; research k3_format.md §3).
+
+    Defaults are K3's MoonViT-V2. K2.5's MoonViT (HF transformers ``kimi_k25``) is ``norm:
+    layernorm, norm_eps: 1e-5, bias: true, pos_interpolation: bicubic, hidden_size: 1152,
+    num_heads: 16, head_dim: 72, mlp_dim: 4304, projector: patchmerger, max_patches: 16384``.
+    """
+
+    enabled: bool = False
+    patch_size: int = 14
+    hidden_size: int = 1024
+    num_layers: int = 27
+    num_heads: int = 12
+    head_dim: int = 128  # K3: 12 x 128 = 1536 != hidden_size
+    mlp_dim: int = 4096
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 0.0  # 0: finfo(compute dtype).eps, as the release's torch.nn.RMSNorm(eps=None)
+    bias: bool = False  # patch conv, qkv, wo, MLP biases (K2.5)
+    pos_emb_size: int = 64  # learned [S, S, D] position table, resampled to each image's grid
+    pos_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    rope_theta: float = 10000.0
+    merge_size: int = 2  # m x m patches -> one LM token (space-to-depth)
+    # "patchmergerv2" (K3): Linear -> GELU -> Linear -> RMSNorm; "patchmerger" (K2.5): LayerNorm
+    # per sub-patch -> Linear -> GELU -> Linear, with biases.
+    projector: Literal["patchmergerv2", "patchmerger"] = "patchmergerv2"
+    projector_eps: float = 1e-5
+    # Image processor (media_proc_cfg of the release).
+    max_patches: int = 65536  # in_patch_limit
+    max_patches_per_side: int = 512
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # Placeholder token ids (K3 / K2.5 tokenizer: <|media_begin|>, <|media_content|>, <|media_end|>,
+    # <|media_pad|>); a byte-tokenizer model puts them right after the 256 bytes.
+    media_begin_id: int = 163602
+    media_content_id: int = 163603
+    media_end_id: int = 163604
+    media_pad_id: int = 163605
+
+    def validate(self, prefix: str, vocab_size: int) -> None:
+        for f in ("patch_size", "hidden_size", "num_layers", "num_heads", "head_dim", "mlp_dim", "pos_emb_size",
+                  "merge_size", "max_patches", "max_patches_per_side"):
+            _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
+        _check(self.head_dim % 4 == 0, f"{prefix}.head_dim", "must be a multiple of 4 (2-D RoPE pairs per axis)")
+        _check(self.norm_eps >= 0, f"{prefix}.norm_eps", "must be >= 0")
+        _check(len(self.image_mean) == 3 and len(self.image_std) == 3, f"{prefix}.image_mean",
+               "image_mean and image_std need 3 (RGB) values")
+        for f in ("media_begin_id", "media_content_id", "media_end_id", "media_pad_id"):
+            _check(0 <= getattr(self, f) < vocab_size, f"{prefix}.{f}", f"must be a token id < vocab_size={vocab_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +272,17 @@ class ModelConfig:
     mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()
     attn_res: AttnResConfig = AttnResConfig()
+    quant: QuantConfig = QuantConfig()
+    vision: VisionConfig = VisionConfig()  # disabled: a text-only model
     # Numerics and compilation.
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True
     remat: Literal["none", "full", "dots"] = "none"
+    # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
+    # on TPU, Triton on GPU, the Pallas interpreter on CPU).
+    kda_impl: Literal["xla", "pallas"] = "xla"
+    moe_impl: Literal["ragged_dot", "pallas"] = "ragged_dot"
 
     def validate(self, prefix: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "dense_ffn_dim", "mla_period", "max_seq_len"):
@@ -196,6 +297,11 @@ class ModelConfig:
         _check(self.param_dtype in ("float32", "bfloat16"), f"{prefix}.param_dtype",
                "must be float32 or bfloat16")
         _check(self.remat in ("none", "full", "dots"), f"{prefix}.remat", "must be none, full or dots")
+        _check(self.kda_impl in ("xla", "pallas"), f"{prefix}.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
+        _check(self.moe_impl in ("ragged_dot", "pallas"), f"{prefix}.moe_impl",
+               f"must be ragged_dot or pallas, got {self.moe_impl!r}")
+        _check(self.moe_impl != "pallas" or self.quant.activations == "none", f"{prefix}.moe_impl",
+               "the Pallas grouped matmul has no MXFP8 input quantization; use ragged_dot with quant.activations")
         if self.mla_layers is not None:
             bad = [i for i in self.mla_layers if not 0 <= i < self.num_layers]
             _check(not bad, f"{prefix}.mla_layers", f"indices {bad} out of range [0, {self.num_layers})")
@@ -206,6 +312,19 @@ class ModelConfig:
         if self.first_dense_layers < self.num_layers:
             self.moe.validate(f"{prefix}.moe")
         self.attn_res.validate(f"{prefix}.attn_res")
+        self.quant.validate(f"{prefix}.quant")
+        if self.vision.enabled:
+            self.vision.validate(f"{prefix}.vision", self.vocab_size)
+        quantized = self.quant.experts != "none" or self.quant.activations != "none"
+        if self.first_dense_layers < self.num_layers and quantized:
+            # MX blocks run along each expert matmul's contraction axis: the expert input width
+            # (latent or hidden) for w1 / w3, the expert width for w2
+            width = self.moe.latent_dim or self.hidden_size
+            for name, n in (("moe.latent_dim" if self.moe.latent_dim else "hidden_size", width),
+                            ("moe.expert_dim", self.moe.expert_dim)):
+                _check(n % MX_BLOCK == 0, f"{prefix}.{name}", f"must be a multiple of {MX_BLOCK} (the MX block) "
+                       f"with quant.experts={self.quant.experts!r} / quant.activations={self.quant.activations!r}, "
+                       f"got {n}")
 
     # Derived layout -------------------------------------------------------------------------
     def mixer(self, i: int) -> Literal["kda", "mla"]:
@@ -288,6 +407,9 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     out_dir: str = "runs/default"
+    # Fine-tuning: a fresh run starts from the model weights of this run directory's (or checkpoint
+    # directory's) latest checkpoint, e.g. MXFP4 QAT of an unquantized run; ignored when resuming.
+    init_from: str | None = None
     z_loss: float = 0.0
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
@@ -409,6 +531,23 @@ def to_dict(cfg) -> dict:
     return out
 
 
+# Top-level sections that are aliases of a deeper one (``quant.experts=...`` is ``model.quant.experts=...``).
+_SECTION_ALIASES = {"quant": ("model", "quant")}
+
+
+def _resolve_aliases(data: dict) -> dict:
+    """Move aliased top-level sections (YAML or overrides) to where they live in the config."""
+    out = dict(data)
+    for alias, (section, field) in _SECTION_ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            target = dict(out.get(section) or {})
+            current = target.get(field)
+            target[field] = _merge(current, value) if isinstance(current, dict) and isinstance(value, dict) else value
+            out[section] = target
+    return out
+
+
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
@@ -460,7 +599,7 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     """
     data = _load_yaml(resolve_path(name_or_path))
     data.setdefault("name", pathlib.Path(name_or_path).stem)
-    data = _merge(data, parse_overrides(overrides))
+    data = _merge(_resolve_aliases(data), _resolve_aliases(parse_overrides(overrides)))
     cfg = _from_dict(Config, data, "")
     cfg.validate()
     return cfg
@@ -482,6 +621,6 @@ def _load_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
 
 def from_dict(data: dict) -> Config:
     """Build and validate a Config from nested dicts (e.g. the ``to_dict`` of a saved run)."""
-    cfg = _from_dict(Config, data, "")
+    cfg = _from_dict(Config, _resolve_aliases(data), "")
     cfg.validate()
     return cfg

@@ -19,7 +19,7 @@ from k3jax.sampling import sample_logits
 
 def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_tokens=(), seed: int = 0,
-             prompt_lengths=None, stream=None) -> jax.Array:
+             prompt_lengths=None, stream=None, images=None) -> jax.Array:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
     prompt_tokens: ``[B, T]`` int (right-padded when prompts differ in length; give
@@ -28,6 +28,9 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
     ``max_new_tokens`` generated ones, then padding (the first stop token, or 0 when none is given).
     Generation of a row ends after it emits a stop token (kept). Greedy at ``temperature=0``.
     ``stream(step, tokens [B], active [B])`` (optional) is called on the host after every step.
+    ``images`` (vision models): the prompts' packed images (``k3jax.vision.inputs.pack_images``, one
+    row per prompt) or their projected features ``[B, M, d]``, spliced in at the prompts'
+    ``<|media_pad|>`` tokens during the prefill.
     """
     prompt = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt.ndim != 2:
@@ -45,13 +48,13 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     graphdef, state = nnx.split(model)
     stops = tuple(int(s) for s in stop_tokens)
-    return _generate(graphdef, state, prompt, lengths, jax.random.key(seed), max_new_tokens=max_new_tokens,
+    return _generate(graphdef, state, prompt, lengths, jax.random.key(seed), images, max_new_tokens=max_new_tokens,
                      temperature=float(temperature), top_k=top_k, top_p=top_p, stops=stops, stream=stream)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stops",
                                              "stream"))
-def _generate(graphdef, state, prompt, lengths, key, *, max_new_tokens, temperature, top_k, top_p, stops, stream):
+def _generate(graphdef, state, prompt, lengths, key, images, *, max_new_tokens, temperature, top_k, top_p, stops, stream):
     model = nnx.merge(graphdef, state)
     b, t = prompt.shape
     total = t + max_new_tokens
@@ -66,7 +69,7 @@ def _generate(graphdef, state, prompt, lengths, key, *, max_new_tokens, temperat
     left = jnp.take_along_axis(prompt, src, axis=1)
     valid = columns[None] >= shift[:, None]
     cache = model.init_cache(b, total)
-    logits, cache = model(jnp.where(valid, left, 0), cache=cache, token_valid=valid)
+    logits, cache = model(jnp.where(valid, left, 0), cache=cache, token_valid=valid, images=images)
     last = logits[:, -1]
 
     def cond(carry):

@@ -26,6 +26,10 @@ from k3jax.layers.kda import KDA
 from k3jax.layers.latent_moe import LatentMoE
 from k3jax.layers.mla import MLA
 from k3jax.layers.norm import RMSNorm
+from k3jax.vision.inputs import VisionInputs
+from k3jax.vision.moonvit import MoonViT
+from k3jax.vision.projector import Projector
+from k3jax.vision.splice import splice_image_features
 
 LayerKind = tuple[str, str]  # (mixer, ffn), e.g. ("kda", "moe")
 
@@ -129,14 +133,35 @@ class LayerGroup(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
+        self.remat = cfg.remat
 
     def __call__(self, carry, first_layer, ctx, caches=None):
         stats, new_caches = [], []
         for j, layer in enumerate(self.layers):
-            carry, st, c = layer(carry, first_layer + j, ctx, None if caches is None else caches[j])
+            carry, st, c = call_layer(layer, self.remat, carry, first_layer + j, ctx,
+                                      None if caches is None else caches[j])
             stats.append(st)
             new_caches.append(c)
         return carry, (tuple(stats), tuple(new_caches))
+
+
+def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache):
+    """``layer(carry, layer_idx, ctx, cache)``, rematerialised per layer when ``remat`` is on.
+
+    Inside a scanned group this nests in the group's own checkpoint: the scan saves one residual
+    stream (with its AttnRes bank) per group, and the group's backward pass recomputes one layer at
+    a time instead of holding the activations of all its layers (one more forward pass, 4 layers'
+    worth of memory less: at full K3 size tens of GiB per device). The unrolled prefix / suffix
+    layers are checkpointed the same way.
+    """
+    if remat == "none":
+        return layer(carry, layer_idx, ctx, cache)
+    graphdef, state = nnx.split(layer)
+
+    def run(state, carry, layer_idx, ctx, cache):
+        return nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
+
+    return jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
 
 
 class _Context(NamedTuple):
@@ -190,6 +215,16 @@ class K3Model(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
         if not cfg.tie_embeddings:
             self.lm_head = normal(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+        if cfg.vision.enabled:  # after the LM's parameters: a text model's init stays the same
+            self.vision_tower = MoonViT(cfg.vision, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+            self.mm_projector = Projector(cfg.vision, cfg.hidden_size, init_std=cfg.init_std, dtype=cfg.dtype,
+                                          param_dtype=pd, rngs=rngs)
+
+    def encode_images(self, images: VisionInputs) -> jax.Array:
+        """Packed images (``k3jax.vision.inputs.pack_images``) -> LM-width features ``[B, M, d]``."""
+        if not self.cfg.vision.enabled:
+            raise ValueError("this model has no vision tower (model.vision.enabled is false)")
+        return self.mm_projector(self.vision_tower(images))
 
     def _run_groups(self, carry, ctx: _Context, caches):
         plan, cfg = self.plan, self.cfg
@@ -211,7 +246,8 @@ class K3Model(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, cache: ModelCache | None = None,
-                 token_valid: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None]:
+                 token_valid: jax.Array | None = None,
+                 images: VisionInputs | jax.Array | None = None) -> tuple[jax.Array, ModelCache | None]:
         """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, updated cache or None).
 
         Training / full forward (``cache=None``): ``segment_ids [B, T]`` marks packed documents,
@@ -221,14 +257,19 @@ class K3Model(nnx.Module):
         Prefill / decode (``cache=model.init_cache(B, S)``): the tokens continue the cached
         sequences (any T: a whole prompt, a chunk of one, or one token); ``token_valid [B, T]``
         marks left padding of ragged prompts. Returns the cache holding the new tokens.
+
+        ``images`` (vision models): packed pixel patches (``VisionInputs``, one batch row per token
+        row) or their projected features ``[B, M, d]``; row b's j-th ``<|media_pad|>`` token is
+        replaced by its j-th image token. Without images the text path is unchanged.
         """
         logits, cache, _ = self.forward(tokens, segment_ids=segment_ids, positions=positions, cache=cache,
-                                        token_valid=token_valid)
+                                        token_valid=token_valid, images=images)
         return logits, cache
 
     def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None, cache: ModelCache | None = None,
-                token_valid: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, dict]:
+                token_valid: jax.Array | None = None,
+                images: VisionInputs | jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, dict]:
         """Like ``__call__``, plus the Quantile Balancing statistics of every MoE layer, keyed by the
         path of that layer's ``router_bias`` in the model (see ``quantile_balancing.apply``)."""
         cfg = self.cfg
@@ -261,9 +302,13 @@ class K3Model(nnx.Module):
             (None,) * len(self.plan.prefix), None, (None,) * len(self.plan.suffix), None, None, None)
         stats, new_prefix, new_suffix = {}, [], []
         x = jnp.take(cast(self.embed, dt), tokens, axis=0)
+        if images is not None:
+            features = self.encode_images(images) if isinstance(images, VisionInputs) else images
+            x = splice_image_features(x, tokens, features, cfg.vision.media_pad_id)
         carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
         for j, (layer, i) in enumerate(zip(self.prefix, self.plan.prefix)):
-            carry, stats[("prefix", j, "ffn", "router_bias")], c = layer(carry, i, ctx, layer_caches.prefix[j])
+            carry, stats[("prefix", j, "ffn", "router_bias")], c = call_layer(layer, cfg.remat, carry, i, ctx,
+                                                                              layer_caches.prefix[j])
             new_prefix.append(c)
         new_groups = None
         if self.groups is not None:
@@ -271,7 +316,8 @@ class K3Model(nnx.Module):
             for j, st in enumerate(group_stats):
                 stats[("groups", "layers", j, "ffn", "router_bias")] = st
         for j, (layer, i) in enumerate(zip(self.suffix, self.plan.suffix)):
-            carry, stats[("suffix", j, "ffn", "router_bias")], c = layer(carry, i, ctx, layer_caches.suffix[j])
+            carry, stats[("suffix", j, "ffn", "router_bias")], c = call_layer(layer, cfg.remat, carry, i, ctx,
+                                                                              layer_caches.suffix[j])
             new_suffix.append(c)
         h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
         h = self.final_norm(h)

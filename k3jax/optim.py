@@ -58,6 +58,7 @@ parameter path, so the transform works on ``nnx.state(model, nnx.Param)`` (Varia
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
@@ -65,7 +66,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
-from optax.contrib._muon import _compute_muon_reshape, scale_by_shape
+from optax.contrib._muon import _compute_muon_reshape, _normalize_axes, scale_by_shape
 
 from k3jax.config import OptimConfig
 
@@ -75,7 +76,8 @@ CONSISTENT_RMS = 0.2
 MUON, ADAMW = "muon", "adamw"
 
 # Leaf names that always go to AdamW whatever their shape.
-_ADAMW_LEAVES = frozenset({"embed", "lm_head", "A_log", "dt_bias", "router_bias", "bias"})
+_ADAMW_LEAVES = frozenset({"embed", "lm_head", "A_log", "dt_bias", "router_bias", "bias",
+                           "pos_emb"})  # pos_emb: the vision tower's learned position table (a lookup)
 # Logical axes whose presence sends a param to AdamW.
 _ADAMW_AXES = frozenset({"vocab", "conv", "norm"})
 
@@ -303,15 +305,29 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
     arrays are stacked and iterated together: one batched NS per distinct block shape instead of
     one per parameter. That keeps the compiled optimizer smaller (the tiny model has ~150 Muon
     leaves and ~15 block shapes). Arrays larger than ``group_max_size`` elements run on their own, so large
-    sharded weights are never concatenated."""
+    sharded weights are never concatenated; their batch axes are kept apart rather than flattened
+    (flattening ``[layers, experts]`` would merge an unsharded major axis with a sharded minor one,
+    which GSPMD can only do by replicating the experts), and a stacked weight (two or more batch
+    axes, e.g. ``[layers, experts, in, out]``) is iterated one leading slice at a time
+    (``lax.map``), so the Gram matrices of one layer, not of all 22 K3 layer groups, exist at once."""
     a, b, c = (float(v) for v in ns_coeffs)
+
+    def newton_schulz(x):  # [..., r, o] with r <= o: NS over the trailing two axes, per block
+        norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True))
+        x = x / (norm.astype(x.dtype) + eps)
+        for _ in range(ns_steps):
+            g = jnp.einsum("...ij,...kj->...ik", x, x)
+            g = b * g + c * jnp.einsum("...ij,...jk->...ik", g, g)
+            x = a * x + jnp.einsum("...ij,...jk->...ik", g, x)
+        return x
+
     blocks, meta = [], []
     for x, dn in zip(xs, dim_nums):
-        reshape_fn, inverse_fn = _compute_muon_reshape(x, dn)
-        x3 = reshape_fn(x)  # [batch, reduction, output]
-        transposed = x3.shape[1] > x3.shape[2]
+        view_fn, inverse_fn = (_compute_muon_reshape if x.size <= group_max_size else _batched_view)(x, dn)
+        x3 = view_fn(x)  # [batch (one axis, or the original batch axes), reduction, output]
+        transposed = x3.shape[-2] > x3.shape[-1]
         if transposed:
-            x3 = jnp.swapaxes(x3, 1, 2)
+            x3 = jnp.swapaxes(x3, -2, -1)
         blocks.append(x3)
         meta.append((inverse_fn, transposed))
     groups: dict[Any, list[int]] = {}
@@ -320,13 +336,11 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
         groups.setdefault(key, []).append(i)
     out: list = [None] * len(blocks)
     for idx in groups.values():
-        x = blocks[idx[0]] if len(idx) == 1 else jnp.concatenate([blocks[i] for i in idx], axis=0)
-        norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(1, 2), keepdims=True))
-        x = x / (norm.astype(x.dtype) + eps)
-        for _ in range(ns_steps):
-            g = jnp.einsum("nij,nkj->nik", x, x)
-            g = b * g + c * jnp.einsum("nij,njk->nik", g, g)
-            x = a * x + jnp.einsum("nij,njk->nik", g, x)
+        if len(idx) == 1:
+            x = blocks[idx[0]]
+            out[idx[0]] = jax.lax.map(newton_schulz, x) if x.ndim > 3 else newton_schulz(x)
+            continue
+        x = newton_schulz(jnp.concatenate([blocks[i] for i in idx], axis=0))
         start = 0
         for i in idx:
             n = blocks[i].shape[0]
@@ -335,9 +349,22 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
     result = []
     for x3, (inverse_fn, transposed) in zip(out, meta):
         if transposed:
-            x3 = jnp.swapaxes(x3, 1, 2)
+            x3 = jnp.swapaxes(x3, -2, -1)
         result.append(inverse_fn(x3))
     return result
+
+
+def _batched_view(x: jax.Array, dn: MDN):
+    """``(view_fn, inverse_fn)``: ``x`` as ``[*batch axes, reduction, output]`` (the reduction and
+    output axes merged, the batch axes kept as they are), and back."""
+    red, out = _normalize_axes(x, dn)
+    batch = tuple(i for i in range(x.ndim) if i not in red + out)
+    perm = batch + red + out
+    shape = tuple(x.shape[i] for i in batch) + (math.prod(x.shape[i] for i in red),
+                                                 math.prod(x.shape[i] for i in out))
+    unflat = tuple(x.shape[i] for i in perm)
+    inverse = tuple(sorted(range(x.ndim), key=lambda i: perm[i]))
+    return (lambda v: v.transpose(perm).reshape(shape)), (lambda v: v.reshape(unflat).transpose(inverse))
 
 
 def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95, ns_steps: int = 5,

@@ -1,35 +1,51 @@
 """Device meshes and logical-axis sharding rules.
 
 Every parameter carries logical axis names (``out_sharding`` metadata, e.g. ``('layers', 'expert',
-'expert_in', 'expert_mlp')``); a rule table maps each logical name to mesh axes, so a user changes a
-layout in the config without touching model code. The first mesh axis of a rule that is still free in
-that array is used (MaxText's convention), so ``embed -> fsdp`` can coexist with ``expert_in -> fsdp``.
+'expert_in', 'expert_mlp')``); optimizer state inherits its parameter's names (``nnx.Optimizer``
+copies the metadata), and batches and decoding caches get theirs here (:data:`BATCH_AXES`,
+:data:`CACHE_AXES`). A rule table maps each logical name to mesh axes, so a user changes a layout
+without touching model code.
+
+Rule semantics (MaxText's convention, made shape-aware): a rule lists candidates, each one mesh axis
+or a tuple of them; the first candidate that still has a usable axis wins, where usable means of size
+> 1 and not already taken by an earlier dimension of the same array. Of a tuple, the free axes are
+used, trailing ones dropped until their product divides the dimension. So ``embed -> (fsdp, expert)``
+shards dense weights over every data-parallel device (FSDP over the expert axis too, which full K3
+needs to fit), while in a routed-expert weight ``expert`` has already taken the expert axis and
+``expert_in -> fsdp`` takes the rest; a batch of 1 on a data-parallel mesh is simply replicated.
 
 Mesh axes: ``data`` (pure data parallelism), ``fsdp`` (data parallelism with parameters and optimizer
-state sharded), ``expert`` (routed experts; also splits the batch), ``sequence`` (context) and
-``tensor`` (heads / FFN width).
+state sharded), ``expert`` (routed experts; also splits the batch and, as FSDP, the dense weights),
+``sequence`` (context) and ``tensor`` (heads / FFN width).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from k3jax.cache import KDACache, MLACache, ModelCache
 from k3jax.config import MeshConfig
+from k3jax.parallel.context import current_mesh
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
-# logical name -> candidate mesh axes (first free one wins; a tuple entry shards over several axes).
-DEFAULT_RULES: tuple[tuple[str, tuple], ...] = (
+Rules = tuple[tuple[str, tuple], ...]
+
+# logical name -> candidate mesh axes (first usable one wins; a tuple entry shards over several axes).
+DEFAULT_RULES: Rules = (
     ("batch", (("data", "fsdp", "expert"),)),
     ("length", ("sequence",)),
+    # A decoding cache's slots: split over every axis the (often tiny) decode batch leaves free, so a
+    # single 1M-token sequence is spread over the whole slice.
+    ("cache_length", (("sequence", "data", "fsdp", "expert", "tensor"),)),
     ("vocab", ("tensor",)),
-    ("embed", ("fsdp",)),
+    ("embed", (("fsdp", "expert"),)),
     ("heads", ("tensor",)),
     ("mlp", ("tensor",)),
     ("expert", ("expert",)),
@@ -37,17 +53,48 @@ DEFAULT_RULES: tuple[tuple[str, tuple], ...] = (
     ("expert_mlp", ("tensor",)),
     ("layers", ()),
     ("head_dim", ()),
-    ("q_lora", ()),
-    ("kv_lora", ()),
+    # Storage only (FSDP): MLA's q_b / kv_b have no embed axis, and heads alone (96 or 64) would leave
+    # them replicated; at use they are gathered (WEIGHT_USE_RULES).
+    ("q_lora", (("fsdp", "expert"),)),
+    ("kv_lora", (("fsdp", "expert"),)),
     ("latent", ()),
     ("gate_rank", ()),
     ("conv", ()),
     ("norm", ()),
 )
 
+# How a weight is laid out where it is used: gathered over the data-parallel (FSDP) axes, still split
+# over the model-parallel ones (the names not listed here are replicated).
+WEIGHT_USE_RULES: Rules = (
+    ("vocab", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("expert", ("expert",)),
+    ("expert_mlp", ("tensor",)),
+)
+
+# Logical axes of the training batch arrays (``tokens, segment_ids, positions, targets, loss_mask``).
+BATCH_AXES = ("batch", "length")
+
+# Logical axes of the decoding cache's arrays (``k3jax.cache``), without the leading stacked-group
+# axis that the scanned layers' caches carry (it gets ``layers``).
+CACHE_AXES: dict[type, tuple[tuple[str | None, ...], ...]] = {
+    KDACache: (("batch", "heads", "head_dim", None),  # state [B, H, K, V]
+               ("batch", "conv", "heads"),  # conv_q [B, W-1, H*K]: the flat channel axis is head-major
+               ("batch", "conv", "heads"),
+               ("batch", "conv", "heads")),
+    MLACache: (("batch", "cache_length", "kv_lora"),  # ckv [B, S, r]
+               ("batch", "cache_length", None)),  # k_rope [B, S, R]
+}
+_CACHE_SCALARS = {"length": (), "positions": ("batch",), "valid": ("batch", "cache_length")}
+
 
 def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
-    """A mesh with axes ``MESH_AXES`` sized by the config (one ``-1`` fills the remaining devices)."""
+    """A mesh with axes ``MESH_AXES`` sized by the config (one ``-1`` fills the remaining devices).
+
+    ``devices``: real devices, fake CPU devices or a TPU topology's device descriptions
+    (``jax.experimental.topologies.get_topology_desc(...).devices``, for AOT compiles).
+    """
     devices = list(jax.devices() if devices is None else devices)
     sizes = [getattr(cfg, a) for a in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
@@ -62,48 +109,85 @@ def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def logical_to_spec(axes: Sequence[str | None], rules=DEFAULT_RULES, mesh: Mesh | None = None) -> P:
-    """PartitionSpec of one array from its logical axis names."""
+def logical_to_spec(axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None,
+                    shape: Sequence[int] | None = None) -> P:
+    """PartitionSpec of one array from its logical axis names (see the module docstring).
+
+    Without ``mesh`` every named axis counts as usable; without ``shape`` divisibility is not checked.
+    """
     table = dict(rules)
     used: set[str] = set()
     out = []
-    for name in axes:
-        chosen = None
+    for i, name in enumerate(axes):
+        chosen: tuple[str, ...] = ()
         for cand in table.get(name, ()) if name is not None else ():
-            group = cand if isinstance(cand, tuple) else (cand,)
-            if mesh is not None:
-                group = tuple(a for a in group if mesh.shape[a] > 1)
-            if group and not used.intersection(group):
-                chosen = group if len(group) > 1 else group[0]
-                used.update(group)
+            group = [a for a in (cand if isinstance(cand, tuple) else (cand,))
+                     if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)]
+            if mesh is not None and shape is not None:
+                while group and shape[i] % math.prod(mesh.shape[a] for a in group):
+                    group.pop()
+            if group:
+                chosen = tuple(group)
                 break
-        out.append(chosen)
+        used.update(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
     return P(*out)
 
 
-def _divisible(shape, spec: P, mesh: Mesh) -> P:
-    """Drop shardings that do not divide the dimension (small test models on big meshes)."""
-    out = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        size = math.prod(mesh.shape[a] for a in axes)
-        out.append(entry if size and dim % size == 0 else None)
-    return P(*out)
+def named_sharding(mesh: Mesh, axes: Sequence[str | None] | None, shape: Sequence[int],
+                   rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """The NamedSharding of one array of ``shape`` with logical ``axes`` (None: replicated)."""
+    spec = logical_to_spec(axes, rules, mesh, shape) if axes else P()
+    return NamedSharding(mesh, spec)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedShardings for every Variable of an NNX state, from its ``out_sharding`` names."""
+def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules = WEIGHT_USE_RULES) -> jax.Array:
+    """``w`` constrained to its layout at use (:data:`WEIGHT_USE_RULES`) under the current mesh: the
+    FSDP all-gather, made explicit. Without it GSPMD may keep a weight split along its contracting
+    (``embed``) dimension, the same mesh axes that split the batch, and resolve the conflict by
+    replicating the activations instead (the full K3 batch's MoE activations on every device).
+    Identity without a mesh or inside ``shard_map``. ``axes``: the weight's logical names; inside the
+    layer scan a stacked weight has lost its leading ``layers`` axis, so only the last ``w.ndim``
+    names apply.
+    """
+    mesh = current_mesh()
+    if mesh is None or not axes:
+        return w
+    axes = tuple(axes)[len(axes) - w.ndim:]
+    return jax.lax.with_sharding_constraint(w, logical_to_spec(axes, rules, mesh, w.shape))
+
+
+def _value_of(var):
+    return var.get_raw_value() if isinstance(var, nnx.Variable) else var
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedShardings for every Variable of an NNX state (model, optimizer or whole train state),
+    from its ``out_sharding`` names; a prefix tree of ``state`` (one sharding per Variable)."""
 
     def one(var):
-        value = var.get_raw_value() if isinstance(var, nnx.Variable) else var
+        value = _value_of(var)
         axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
-        spec = P() if not axes else _divisible(value.shape, logical_to_spec(axes, rules, mesh), mesh)
-        return NamedSharding(mesh, spec)
+        shape = getattr(value, "shape", None)
+        if shape is None:  # optax's MaskedNode and other leafless placeholders
+            return NamedSharding(mesh, P())
+        return named_sharding(mesh, axes, shape, rules)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
+def abstract_with_shardings(state: Any, shardings: Any) -> Any:
+    """``state`` (arrays or ShapeDtypeStructs, in Variables or not) as ShapeDtypeStructs carrying
+    ``shardings`` (a prefix tree of ``state``, as :func:`state_shardings` returns): the argument of
+    ``jit(...).lower`` for an AOT compile."""
+
+    def place(sharding, subtree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree)
+
+    return jax.tree.map(place, shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
     """Place a model's variables on ``mesh`` according to the rules (in place; returns the model)."""
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh, rules)
@@ -113,6 +197,26 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Modul
     return model
 
 
-def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
-    """Sharding of ``[B, T]`` input arrays: batch over the data-like axes, length over ``sequence``."""
-    return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, shape: Sequence[int] | None = None) -> NamedSharding:
+    """Sharding of ``[B, T]`` input arrays: batch over the data-like axes, length over ``sequence``
+    (axes that do not divide ``shape``, when given, are left out)."""
+    return NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
+
+
+def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:
+    """NamedShardings of a decoding cache (arrays or ShapeDtypeStructs), tree-shaped like it.
+
+    Layer caches use :data:`CACHE_AXES`; the scanned groups' caches have one more leading axis
+    (``layers``, never sharded).
+    """
+
+    def layer(c):
+        names = CACHE_AXES[type(c)]
+        return type(c)(*(named_sharding(mesh, (("layers",) * (x.ndim - len(ax))) + ax, x.shape, rules)
+                         for x, ax in zip(c, names)))
+
+    def layers(cs):
+        return tuple(layer(c) for c in cs)
+
+    scalars = {k: named_sharding(mesh, ax, getattr(cache, k).shape, rules) for k, ax in _CACHE_SCALARS.items()}
+    return ModelCache(layers(cache.prefix), layers(cache.groups), layers(cache.suffix), **scalars)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
+from k3jax.data.images import vision_batch
 from k3jax.model import K3Model, LayerPlan
 
 
@@ -89,7 +90,8 @@ def make_train_step(graphdef, cfg: Config):
     """``step(state, batch) -> (state, metrics)`` over the split TrainState, jitted with donation.
 
     batch: numpy/jax dict with ``tokens, segment_ids, positions, targets, loss_mask`` of shape
-    ``[batch_size, seq_len]``; split into ``train.grad_accum`` micro-batches. metrics: ``loss`` (mean
+    ``[batch_size, seq_len]`` (plus ``image_*`` packed patches ``[batch_size, P, ...]`` for a vision
+    model, ``k3jax.data.images``); split into ``train.grad_accum`` micro-batches. metrics: ``loss`` (mean
     nll per counted token), ``grad_norm`` (before clipping), ``tokens``, ``finite`` (False: the
     update was skipped), ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the
     order of :func:`expert_imbalance_layers`, measured with the bias this step routed with).
@@ -99,7 +101,8 @@ def make_train_step(graphdef, cfg: Config):
 
     def micro_loss(params, rest, model_def, mb):
         model = nnx.merge(model_def, params, rest)
-        logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"])
+        logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
+                                         images=vision_batch(mb))
         total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
         return total, (count, nll, stats)
 
@@ -149,7 +152,8 @@ def make_eval_step(graphdef, cfg: Config):
     @jax.jit
     def eval_step(state, batch):
         model = nnx.merge(graphdef, state).model
-        logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+        logits, _ = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                          images=vision_batch(batch))
         _, count, nll = next_token_loss(logits, batch["targets"], batch["loss_mask"])
         return nll, count
 

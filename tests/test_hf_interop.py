@@ -218,13 +218,8 @@ def test_lower_bound_gate_matches_glm5_next():
 
 def leaves(model) -> dict:
     out = {}
-    for path, v in hf_weights._iter_variables(model).items():
-        val = v.get_raw_value()
-        if isinstance(val, mxfp4.PackedMXFP4):
-            out[path + ("packed",)] = np.asarray(val.packed)
-            out[path + ("scale",)] = np.asarray(val.scale)
-        else:
-            out[path] = np.asarray(val)
+    for path, v in hf_weights._iter_variables(model).items():  # packed experts: their packed / scale leaves
+        out[path] = np.asarray(v.get_raw_value())
     return out
 
 
@@ -385,10 +380,13 @@ def test_k3_roundtrip_identical(k3_ckpt, k3_model, tokens):
 
 
 def test_k3_keep_mxfp4_roundtrip_bytes(k3_ckpt, tmp_path):
+    from k3jax.quant.packed import MXFP4Weight
+
     packed = from_hf(k3_ckpt, keep_mxfp4=True)
-    w = packed.groups.layers[0].ffn.w_gate.get_raw_value()
-    assert isinstance(w, mxfp4.PackedMXFP4) and w.packed.dtype == jnp.uint8
-    assert w.logical_shape == packed.groups.layers[0].ffn.w_up.get_raw_value().logical_shape == (2, 8, 32, 32)
+    assert packed.cfg.quant.experts == "mxfp4"
+    w = packed.groups.layers[0].ffn.w_gate
+    assert isinstance(w, MXFP4Weight) and w.packed.get_raw_value().dtype == jnp.uint8
+    assert w.shape == packed.groups.layers[0].ffn.w_up.shape == (2, 8, 32, 32)
     out = tmp_path / "again"
     to_hf(packed, out, model_type="kimi_k3", max_shard_size="300KB")
     files = sorted(p.name for p in k3_ckpt.glob("*.safetensors"))

@@ -1,9 +1,11 @@
-"""MXFP4 codec against a direct transcription of the OCP Microscaling v1.0 spec."""
+"""The NumPy MXFP4 codec (k3jax.interop.mxfp4) against a direct transcription of the OCP Microscaling
+v1.0 spec, element by element."""
 
 import numpy as np
 import pytest
 
 from k3jax.interop import mxfp4
+from k3jax.quant.formats import E2M1, SCALE_RULES
 
 
 def ocp_e2m1(code: int) -> float:
@@ -42,7 +44,7 @@ def test_decode_every_byte_and_scale_against_ocp():
 
 
 def test_lut_matches_spec():
-    assert [ocp_e2m1(c) for c in range(8)] == list(mxfp4.E2M1_VALUES)
+    assert [ocp_e2m1(c) for c in range(8)] == list(mxfp4.E2M1_VALUES) == [E2M1.value(c) for c in range(8)]
     assert [ocp_e2m1(c) for c in range(8, 16)] == [-v for v in mxfp4.E2M1_VALUES]
 
 
@@ -55,6 +57,25 @@ def test_encode_decode_is_idempotent(rule):
     packed, scale = mxfp4.encode(w, rule=rule)
     assert packed.shape == (3, 5, 32) and scale.shape == (3, 5, 2) and packed.dtype == scale.dtype == np.uint8
     np.testing.assert_array_equal(ocp_decode(packed, scale).astype(np.float32), q)
+
+
+def test_aiter_rule_is_not_idempotent_at_peak_six():
+    """At amax = 6 * 2**k the aiter rule doubles the scale: a decoded block peaking at 6 loses its 0.5s."""
+    w = np.zeros((1, 32), np.float32)
+    w[0, :3] = [6.0, 0.5, 1.5]
+    assert mxfp4.encode(w, rule="aiter")[1][0, 0] == 127 + 1
+    assert list(mxfp4.quantize_dequantize(w, rule="aiter")[0, :3]) == [6.0, 0.0, 2.0]  # ties to even
+    np.testing.assert_array_equal(mxfp4.quantize_dequantize(w, rule="ceil"), w)
+
+
+def test_scale_rules_peaks():
+    """Peaks (in units of X) each rule produces for amax = M * 2**k, M in [1, 2)."""
+    w = np.zeros((6, 32), np.float32)
+    w[:, 0] = [4.0, 5.0, 5.9, 6.0, 6.2, 7.9]
+    exps = {r: mxfp4.shared_exponent(np.abs(w).max(-1), r).tolist() for r in SCALE_RULES}
+    assert exps["ceil"] == [0, 0, 0, 0, 1, 1]
+    assert exps["aiter"] == [0, 0, 0, 1, 1, 1]
+    assert exps["ocp"] == [0, 0, 0, 0, 0, 0]
 
 
 def test_ceil_rule_never_clips_and_ocp_rule_does():
@@ -79,10 +100,24 @@ def test_round_to_nearest_even_and_saturation():
     assert mxfp4.quantize_dequantize(y, rule="ocp")[0, 0] == 6.0  # floor rule: X = 1, 6.5 saturates
 
 
-def test_zero_block_and_nan_scale():
+def test_zero_block_signed_zero_and_nan_scale():
     packed, scale = mxfp4.encode(np.zeros((2, 32), np.float32))
     assert (packed == 0).all() and (scale == 127).all()
+    neg = np.zeros((1, 32), np.float32)
+    neg[0, 0], neg[0, 2], neg[0, 4] = -0.0, 1.0, -0.01  # X = 1/4: -0.01 rounds to zero, keeps its sign like -0.0
+    codes = mxfp4.encode(neg)[0]  # byte j holds columns 2j (low nibble) and 2j + 1
+    assert codes[0, 0] & 0xF == 8 and codes[0, 2] & 0xF == 8 and np.signbit(mxfp4.decode(*mxfp4.encode(neg))[0, 0])
     assert np.isnan(mxfp4.decode(np.zeros((1, 16), np.uint8), np.array([[255]], np.uint8))).all()
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_block_decodes_to_nan(bad):
+    w = np.ones((2, 64), np.float32)
+    w[1, 40] = bad
+    packed, scale = mxfp4.encode(w)
+    assert scale.tolist() == [[127 - 2, 127 - 2], [127 - 2, 0xFF]] and (packed[1, 16:] == 0).all()
+    out = mxfp4.decode(packed, scale)
+    assert np.isnan(out[1, 32:]).all() and np.isfinite(out[:, :32]).all() and np.isfinite(out[0]).all()
 
 
 def test_packed_orientation():
@@ -93,8 +128,10 @@ def test_packed_orientation():
     np.testing.assert_array_equal(p.dequantize(), np.swapaxes(w_hf, -1, -2))
 
 
-def test_bad_shapes():
+def test_bad_shapes_and_rules():
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp4.encode(np.zeros((2, 48), np.float32))
     with pytest.raises(ValueError, match="disagree"):
         mxfp4.decode(np.zeros((2, 16), np.uint8), np.zeros((2, 2), np.uint8))
+    with pytest.raises(ValueError, match="scale rule"):
+        mxfp4.encode(np.zeros((2, 32), np.float32), rule="floor")

@@ -43,9 +43,10 @@ def test_sharded_forward_matches_single_device():
 
 def test_logical_rules_first_free_axis():
     assert logical_to_spec(("layers", "expert", "expert_in", "expert_mlp")) == P(None, "expert", "fsdp", "tensor")
-    assert logical_to_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
+    # dense weights are FSDP-sharded over the expert axis too
+    assert logical_to_spec(("embed", "heads", "head_dim")) == P(("fsdp", "expert"), "tensor", None)
     # 'fsdp' is taken by 'embed', so expert_in stays unsharded in the same array
-    assert logical_to_spec(("embed", "expert_in")) == P("fsdp", None)
+    assert logical_to_spec(("embed", "expert_in")) == P(("fsdp", "expert"), None)
     assert dict(DEFAULT_RULES)["batch"] == (("data", "fsdp", "expert"),)
 
 

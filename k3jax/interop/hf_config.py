@@ -297,9 +297,6 @@ def config_from_hf(hf: dict, *, dtype: str | None = None, overrides=()) -> tuple
         info.num_mtp_layers = mtp
         warnings.warn(f"num_nextn_predict_layers={mtp}: k3jax has no multi-token-prediction module; "
                       "MTP weights are skipped", stacklevel=2)
-    if info.has_vision:
-        warnings.warn("kimi_k3 vision_config: the vision tower and projector are not loaded (text model only)",
-                      stacklevel=2)
 
     max_pos = int(_get(t, "max_position_embeddings", "model_max_length", default=4096))
     model: dict[str, Any] = {
@@ -321,9 +318,17 @@ def config_from_hf(hf: dict, *, dtype: str | None = None, overrides=()) -> tuple
         model["mla"] = mla
     if moe:
         model["moe"] = moe
+    if info.has_vision:  # mapped but off: a text model unless overrides say vision.enabled=true
+        from k3jax.vision.weights import vision_config_from_hf
+
+        model["vision"] = {**vision_config_from_hf(hf["vision_config"], d), "enabled": False,
+                           "media_pad_id": int(hf.get("media_placeholder_token_id", 163605))}
     if dtype is not None:
         model["dtype"] = model["param_dtype"] = _dtype_name(dtype)
     cfg = _build(model, overrides)
+    if info.has_vision and not cfg.vision.enabled:
+        warnings.warn("kimi_k3 vision_config: the vision tower and projector are not loaded (text model only; "
+                      "pass overrides=['vision.enabled=true'] to load them)", stacklevel=2)
     return cfg, info
 
 
@@ -389,6 +394,8 @@ def check_exportable(cfg: ModelConfig, model_type: str) -> None:
             need(cfg.kda.output_gate == "low_rank", "kda.output_gate", "transformers' kimi_linear has a low-rank gate")
         if uses_mla:
             need(not cfg.mla.output_gate, "mla.output_gate", "transformers' kimi_linear has no MLA output gate")
+    if cfg.vision.enabled:
+        need(model_type == "kimi_k3", "vision.enabled", "the vision tower is part of the kimi_k3 layout only")
     if model_type == "kimi_k3" and cfg.attn_res.enabled:
         need(cfg.attn_res.eps == cfg.norm_eps, "attn_res.eps", "K3 uses rms_norm_eps for the AttnRes norms")
 
@@ -487,6 +494,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "kimi_k3", *, mxfp4: bool =
             q = mxfp4_quantization_config()
             out["quantization_config"] = q
             t["quantization_config"] = q
+        if cfg.vision.enabled:
+            from k3jax.vision.weights import vision_config_to_hf
+
+            out["media_placeholder_token_id"] = cfg.vision.media_pad_id
+            out["vision_config"] = vision_config_to_hf(cfg.vision, cfg.hidden_size)
         return out
     if model_type == "kimi_linear":
         t = _kimi_text_config(cfg, model_type, dtype)
@@ -537,6 +549,8 @@ def runtime_fields_equal(a: ModelConfig, b: ModelConfig) -> bool:
             d.pop("moe")
         if not c.attn_res.enabled:
             d["attn_res"] = {"enabled": False}
+        if not c.vision.enabled:
+            d["vision"] = {"enabled": False}
         return d
 
     return strip(a) == strip(b)

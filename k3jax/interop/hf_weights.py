@@ -36,6 +36,7 @@ from k3jax.interop import mxfp4
 from k3jax.interop.hf_config import HFInfo, check_exportable, config_from_hf, config_to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile, TensorSpec, parse_size, write_file
 from k3jax.model import K3Model, abstract_model
+from k3jax.vision.weights import export_vision, is_vision_tensor, load_vision, official_names
 
 Path = tuple  # a path of attribute names / list indices into the model graph
 
@@ -361,22 +362,29 @@ class _Placer:
 
 
 class _PackedPlacer:
-    """A routed-expert leaf kept as MXFP4 (``keep_mxfp4=True``): packed + scale, HF orientation."""
+    """A routed-expert weight kept as MXFP4 (``k3jax.quant.packed.MXFP4Weight``): fills its ``packed``
+    and ``scale`` variables (HF orientation), each placed by its own logical axes."""
 
-    def __init__(self, shape, mesh, spec):
-        *lead, n_in, n_out = shape
-        axes = tuple(spec) + (None,) * (len(shape) - len(spec))
-        swapped = jax.sharding.PartitionSpec(*axes[:-2], axes[-1], None)  # [.., out, in/2]: shard out only
-        self.packed = _Placer((*lead, n_out, n_in // 2), jnp.uint8, mesh, swapped)
-        self.scale = _Placer((*lead, n_out, n_in // mxfp4.GROUP_SIZE), jnp.uint8, mesh, swapped)
-
-    @property
-    def value(self):
-        return mxfp4.PackedMXFP4(self.packed.value, self.scale.value)
+    def __init__(self, packed: _Placer, scale: _Placer):
+        self.packed, self.scale = packed, scale
 
 
 def _iter_variables(model) -> dict[Path, nnx.Variable]:
     return {tuple(p): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+
+
+def _packed_parts(variables: dict[Path, nnx.Variable], leaf: Path) -> tuple[nnx.Variable, nnx.Variable] | None:
+    """The (packed, scale) variables of an ``MXFP4Weight`` at ``leaf``, or None for a dense leaf."""
+    packed, scale = variables.get(leaf + ("packed",)), variables.get(leaf + ("scale",))
+    return None if packed is None or scale is None else (packed, scale)
+
+
+def _logical_shape(variables: dict[Path, nnx.Variable], leaf: Path) -> tuple[int, ...]:
+    """The dense k3jax shape of ``leaf`` (``(..., in, out)`` for a packed weight)."""
+    parts = _packed_parts(variables, leaf)
+    if parts is None:
+        return tuple(variables[leaf].get_raw_value().shape)
+    return mxfp4.PackedMXFP4(parts[0].get_raw_value(), parts[1].get_raw_value()).logical_shape
 
 
 def _progress(total: int, desc: str, enabled):
@@ -403,9 +411,11 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     - ``mesh`` / ``rules``: place each leaf with ``NamedSharding(mesh, spec)``, the spec derived from
       the leaf's logical axis names by ``rules`` (``{logical: mesh_axis}`` or pairs; unmapped or
       ``rules=None`` -> replicated).
-    - ``keep_mxfp4``: MXFP4-packed routed experts stay packed: those leaves hold
-      :class:`~k3jax.interop.mxfp4.PackedMXFP4` (HF orientation) instead of dense arrays; the model
-      can then be exported again byte for byte but needs the MXFP4 kernels to run.
+    - ``keep_mxfp4``: MXFP4-packed routed experts stay packed: the model is built with
+      ``quant.experts=mxfp4`` (also reachable through ``overrides``), its routed experts are
+      :class:`~k3jax.quant.packed.MXFP4Weight` modules holding the checkpoint's bytes (4.25 bits per
+      weight) that the forward pass dequantizes on the fly; ``to_hf`` writes them back byte for byte.
+      Dense experts in the checkpoint are then quantized with ``quant.scale_rule``.
     - ``overrides``: dotted ``key=value`` strings for the model config (``"kda.chunk_size=16"``).
     - ``progress``: show a tqdm bar.
 
@@ -413,7 +423,9 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     """
     path = pathlib.Path(path)
     hf = read_config(path)
-    cfg, info = config_from_hf(hf, dtype=np.dtype(dtype).name, overrides=overrides)
+    cfg, info = config_from_hf(hf, dtype=np.dtype(dtype).name,
+                               overrides=[*overrides, *(["quant.experts=mxfp4"] if keep_mxfp4 else [])])
+    keep_mxfp4 = cfg.quant.experts == "mxfp4"  # the packed structure, however it was asked for
     files = checkpoint_files(path)
     all_names = [n for names in files.values() for n in names]
     if any(n.startswith(LANGUAGE_MODEL_PREFIX) for n in all_names):
@@ -429,22 +441,24 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
 
     placers: dict[Path, Any] = {}
 
+    def leaf_placer(var: nnx.Variable) -> _Placer:
+        sds = var.get_raw_value()
+        axes = var.get_metadata().get("out_sharding")
+        spec = partition_spec(axes, rules, sds.shape, mesh) if mesh is not None else None
+        return _Placer(sds.shape, sds.dtype, mesh, spec)
+
     def placer(bnd: Binding):
         if bnd.leaf not in placers:
-            var = variables[bnd.leaf]
-            sds = var.get_raw_value()
-            axes = var.get_metadata().get("out_sharding")
-            spec = partition_spec(axes, rules, sds.shape, mesh) if mesh is not None else None
-            if keep_mxfp4 and bnd.expert:
-                placers[bnd.leaf] = _PackedPlacer(sds.shape, mesh, spec or jax.sharding.PartitionSpec())
-            else:
-                placers[bnd.leaf] = _Placer(sds.shape, sds.dtype, mesh, spec)
+            parts = _packed_parts(variables, bnd.leaf)
+            placers[bnd.leaf] = leaf_placer(variables[bnd.leaf]) if parts is None else \
+                _PackedPlacer(*(leaf_placer(v) for v in parts))
         return placers[bnd.leaf]
 
     def block_shape(bnd: Binding):
-        return tuple(variables[bnd.leaf].get_raw_value().shape[len(bnd.index):])
+        return _logical_shape(variables, bnd.leaf)[len(bnd.index):]
 
     seen: set[str] = set()
+    vision_tensors: dict[str, np.ndarray] = {}
     warned: list[bool] = []
     pending: dict[str, dict[str, np.ndarray]] = {}  # base name -> parts waiting for a partner
     unexpected: list[str] = []
@@ -487,7 +501,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
                 warnings.warn(f"{path}: keep_mxfp4=True but the routed experts are stored dense; they are "
                               "quantized to MXFP4 on load", stacklevel=3)
                 warned.append(True)
-            packed, scale = mxfp4.encode(np.swapaxes(blk, -1, -2))
+            packed, scale = mxfp4.encode(np.swapaxes(blk, -1, -2), rule=cfg.quant.scale_rule)
             p = placer(bnd)
             p.packed.put(bnd.index, packed)
             p.scale.put(bnd.index, scale)
@@ -504,6 +518,9 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
                     continue
                 if bar is not None:
                     bar.update(1)
+                if cfg.vision.enabled and is_vision_tensor(name):
+                    vision_tensors[name] = f.get(name)  # small next to the LM: placed at the end
+                    continue
                 if any(p.search(name) for p in _SKIP):
                     continue
                 if cfg.tie_embeddings and name.endswith("lm_head.weight"):
@@ -530,7 +547,18 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors missing from the checkpoint (first: {missing[:10]})")
     for leaf_path, p in placers.items():
-        variables[leaf_path].set_raw_value(p.value)
+        if isinstance(p, _PackedPlacer):
+            for name, part in (("packed", p.packed), ("scale", p.scale)):
+                variables[leaf_path + (name,)].set_raw_value(part.value)
+        else:
+            variables[leaf_path].set_raw_value(p.value)
+    if cfg.vision.enabled:  # vision_tower.* / mm_projector.*: replicated (the tower runs data-parallel)
+        missing = sorted(set(official_names(model)) - set(vision_tensors))
+        if missing:
+            raise ValueError(f"{path}: {len(missing)} vision tensors missing from the checkpoint (first: {missing[:10]})")
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        load_vision(model, vision_tensors.__getitem__,
+                    put=None if replicated is None else (lambda a: jax.device_put(a, replicated)))
     absent = [p for p, v in variables.items() if isinstance(v.get_raw_value(), jax.ShapeDtypeStruct)]
     if absent:
         raise AssertionError(f"leaves left unfilled: {absent[:10]}")
@@ -571,11 +599,11 @@ class _LeafReader:
         self.used = 0
 
     def get(self, leaf: Path, index: tuple[int, ...]) -> Any:
-        value = self.variables[leaf].get_raw_value()
-        if isinstance(value, mxfp4.PackedMXFP4):
-            return mxfp4.PackedMXFP4(self._get(leaf + ("packed",), value.packed, index),
-                                     self._get(leaf + ("scale",), value.scale, index))
-        return self._get(leaf, value, index)
+        parts = _packed_parts(self.variables, leaf)
+        if parts is not None:  # an MXFP4Weight: its bytes, as a host PackedMXFP4
+            return mxfp4.PackedMXFP4(*(self._get(leaf + (name,), v.get_raw_value(), index)
+                                       for name, v in zip(("packed", "scale"), parts)))
+        return self._get(leaf, self.variables[leaf].get_raw_value(), index)
 
     def _get(self, leaf, value, index):
         if leaf in self.cache:
@@ -607,15 +635,17 @@ def _shard_names(n: int) -> list[str]:
 
 
 def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3", max_shard_size: int | str = "5GB",
-          dtype=None, mxfp4_experts: bool | None = None, mxfp4_rule: str = "ceil", extra_config: dict | None = None,
-          progress: bool = False) -> dict:
+          dtype=None, mxfp4_experts: bool | None = None, mxfp4_rule: str | None = None,
+          extra_config: dict | None = None, progress: bool = False) -> dict:
     """Write ``model`` as a Hugging Face checkpoint directory in the official ``model_type`` layout.
 
     - ``dtype``: None keeps each leaf's dtype (exact round trip); a float dtype (e.g.
       ``jnp.bfloat16``) casts floating tensors except those the official layout keeps in float32.
-    - ``mxfp4_experts`` (kimi_k3 only; default: True for kimi_k3 when the experts were loaded
-      packed, else False): write routed experts as ``weight_packed`` / ``weight_scale`` (the release
-      layout, with its ``quantization_config``), quantizing dense experts with ``mxfp4_rule``.
+    - ``mxfp4_experts`` (kimi_k3 only; default: True for kimi_k3 when the experts are held packed,
+      ``quant.experts=mxfp4``, else False): write routed experts as ``weight_packed`` /
+      ``weight_scale`` (the release layout, with its ``quantization_config``), quantizing dense
+      experts with ``mxfp4_rule`` (default: the model's ``quant.scale_rule``, the rule its QAT
+      forward pass used, so the export holds exactly the values the model was trained with).
     - ``extra_config``: keys with no effect on the maths (token ids, ...) added to config.json;
       default: those of the config the model was loaded from (token ids left unknown are written
       as null, so that HF does not substitute the full-size release's ids).
@@ -628,7 +658,8 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     variables = _iter_variables(model)
-    packed_leaves = any(isinstance(v.get_raw_value(), mxfp4.PackedMXFP4) for v in variables.values())
+    packed_leaves = cfg.quant.experts == "mxfp4"
+    mxfp4_rule = cfg.quant.scale_rule if mxfp4_rule is None else mxfp4_rule
     if mxfp4_experts is None:
         mxfp4_experts = model_type == "kimi_k3" and packed_leaves
     if packed_leaves and not mxfp4_experts:
@@ -641,12 +672,9 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
     encoded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def leaf_shape(bnd):
-        v = variables.get(bnd.leaf)
-        if v is None:
+        if bnd.leaf not in variables and _packed_parts(variables, bnd.leaf) is None:
             return None
-        val = v.get_raw_value()
-        shape = val.logical_shape if isinstance(val, mxfp4.PackedMXFP4) else val.shape
-        return tuple(shape[len(bnd.index):])
+        return _logical_shape(variables, bnd.leaf)[len(bnd.index):]
 
     def tensor_dtype(name, leaf_dtype):
         if out_dtype is None or not _is_float(leaf_dtype):
@@ -657,15 +685,15 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
 
     for bnd in bindings(cfg, model.plan, model_type, prefix):
         var = variables.get(bnd.leaf)
-        if var is None:
+        packed_leaf = _packed_parts(variables, bnd.leaf) is not None
+        if var is None and not packed_leaf:
             if not bnd.optional_leaf:
                 raise KeyError(f"model has no leaf {bnd.leaf} for {bnd.hf}")
             e = cfg.moe.num_experts  # no router bias: the HF layout always has one; zeros change nothing
             specs.append(TensorSpec(bnd.hf, (e,), np.float32, lambda e=e: np.zeros((e,), np.float32)))
             continue
         bshape = leaf_shape(bnd)
-        raw = var.get_raw_value()
-        leaf_dtype = np.uint8 if isinstance(raw, mxfp4.PackedMXFP4) else raw.dtype
+        leaf_dtype = np.uint8 if packed_leaf else var.get_raw_value().dtype
         if bnd.expert and mxfp4_experts:
             n_in, n_out = bshape
 
@@ -683,7 +711,7 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
             specs.append(TensorSpec(bnd.hf + ".weight_scale", (n_out, n_in // mxfp4.GROUP_SIZE), np.uint8,
                                     lambda p=pair: p()[1]))
             continue
-        if isinstance(raw, mxfp4.PackedMXFP4):
+        if packed_leaf:
             raise ValueError(f"{bnd.leaf}: packed MXFP4 leaf cannot be written dense; pass mxfp4_experts=True")
         name = bnd.hf + (".weight" if bnd.expert else "")
         hf_shape = _a_log_shape(cfg, model_type) if bnd.kind == A_LOG else hf_shape_of(bnd.kind, bshape, model_type)
@@ -694,6 +722,11 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
             return block_to_hf(bnd.kind, block, hf_shape).astype(dt)
 
         specs.append(TensorSpec(name, hf_shape, dt, produce))
+
+    if cfg.vision.enabled:  # vision_tower.* / mm_projector.* in the release layout (k3jax/vision/weights.py)
+        for vname, arr in export_vision(model):
+            vdt = tensor_dtype(vname, arr.dtype)
+            specs.append(TensorSpec(vname, arr.shape, vdt, lambda a=arr, vdt=vdt: a.astype(vdt)))
 
     # Shards: consecutive tensors up to max_shard_size bytes each.
     limit = parse_size(max_shard_size)

@@ -1,5 +1,11 @@
 """MXFP4 codec (OCP Microscaling v1.0, FP4 E2M1 elements, E8M0 block scales), pure NumPy.
 
+This is the HF interop's codec (``from_hf`` / ``to_hf`` read and write packed experts with it) and the
+independent transcription of the format that the tests hold the JAX quantizer
+(``k3jax.quant.mxfp4``, integer arithmetic on IEEE bits) against, bit for bit. It is written
+differently on purpose: IEEE float arithmetic (``frexp``, exact power-of-two scaling) and a table
+search for the nearest E2M1 value.
+
 Storage layout of the Kimi-K3 release (compressed-tensors ``mxfp4-pack-quantized``,
 research/k3_format.md §1.3), for an ``nn.Linear`` weight ``W [..., out, in]``:
 
@@ -11,27 +17,28 @@ research/k3_format.md §1.3), for an ``nn.Linear`` weight ``W [..., out, in]``:
 
 ``W[o, i] = value(code[o, i]) * 2 ** (scale[o, i // 32] - 127)``.
 
+Encoding: scale rule per ``k3jax.quant.formats`` (default ``ceil``, the release's); elements round to
+nearest, ties to even, saturating at 6, keeping the input's sign bit (-0.0 -> code 8); a block with
+an infinity or NaN gets scale 0xFF (decodes to NaN) and zero codes; a zero block gets scale 127.
+
 Packed nibbles cannot be transposed, so packed arrays stay in the HF ``[out, in]`` orientation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import numpy as np
 
-GROUP_SIZE = 32
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-# E2M1 magnitude of codes 0..7; codes 8..15 are the negatives.
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-E2M1_MAX = 6.0
-E2M1_EMAX = 2  # exponent of the largest power of two in E2M1 (4 = 2**2)
+from k3jax.quant.formats import DEFAULT_SCALE_RULE, E2M1, E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, \
+    GROUP_SIZE, SCALE_RULES, ScaleRule
+
+E2M1_VALUES = np.array([E2M1.value(c) for c in range(8)], dtype=np.float32)
+E2M1_MAX = E2M1.max_value
+E2M1_EMAX = E2M1.emax  # exponent of the largest power of two in E2M1 (4 = 2**2)
 # All 16 codes, signed (code 8 is -0).
 _LUT16 = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
-
-ScaleRule = Literal["ceil", "ocp"]
+_SIGN_BIT = E2M1.sign_bit
 
 
 def e8m0_to_float(scale: np.ndarray, dtype=np.float32) -> np.ndarray:
@@ -56,53 +63,57 @@ def decode(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarra
     # float32 like the reference decoders (exact for every finite result); float64 on request
     work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     values = _LUT16.astype(work)[codes]
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         values = values.reshape(*scale.shape, GROUP_SIZE) * e8m0_to_float(scale, work)[..., None]
     return values.reshape(*packed.shape[:-1], n_in).astype(dtype)
 
 
 def _round_to_e2m1(x: np.ndarray) -> np.ndarray:
-    """Codes (0..15) of the nearest E2M1 values to ``x`` (float32), ties to even, saturating at 6."""
+    """Codes (0..15) of the nearest E2M1 values to finite float32 ``x``, ties to even, saturating at 6."""
     mag = np.minimum(np.abs(x), E2M1_MAX)
     # Midpoints between consecutive magnitudes; at a tie pick the one with an even mantissa bit
-    # (codes 0, 2, 4, 6 have mantissa 0 except 0, which is the subnormal zero: tie 0.25 -> 0).
+    # (the even codes 0, 2, 4, 6).
     idx = np.searchsorted(E2M1_VALUES, mag)  # first value >= mag
     idx = np.clip(idx, 1, len(E2M1_VALUES) - 1)
     lo, hi = E2M1_VALUES[idx - 1], E2M1_VALUES[idx]
     dlo, dhi = mag - lo, hi - mag
     pick_hi = (dhi < dlo) | ((dhi == dlo) & ((idx % 2) == 0))
     code = np.where(pick_hi, idx, idx - 1).astype(np.uint8)
-    code = np.where(np.isnan(x), np.uint8(0), code)  # NaN cannot be represented; encoded as 0
-    sign = (np.signbit(x) & (code != 0)).astype(np.uint8) << 3
-    return code | sign
+    return code | (np.signbit(x).astype(np.uint8) * np.uint8(_SIGN_BIT))
 
 
-def shared_exponent(amax: np.ndarray, rule: ScaleRule = "ceil") -> np.ndarray:
-    """Unbiased block exponent from the block's max magnitude.
+def shared_exponent(amax: np.ndarray, rule: ScaleRule = DEFAULT_SCALE_RULE) -> np.ndarray:
+    """Unbiased block exponent from the block's (finite) max magnitude.
 
-    - ``"ceil"`` (default, no clipping): ``ceil(log2(amax / 6))``, the smallest power of two with
-      ``amax / X <= 6``. Decoding and re-encoding a decoded block gives back the same values.
+    With ``amax = M * 2**fl``, ``M`` in [1, 2) (``frexp``, exact for subnormals too):
+
+    - ``"ceil"`` (default, the release's rule): ``fl - 2 + (M > 1.5)`` = ``ceil(log2(amax / 6))``,
+      the smallest scale with ``amax / X <= 6``: never clips, and decoding then re-encoding never
+      changes a value;
+    - ``"aiter"``: ``fl - 2 + (M >= 1.5)``: amax/4 rounded to a power of two with the round-up
+      threshold at mantissa 1.5 (AITER's ``f32_to_e8m0``); differs from ``"ceil"`` only at
+      ``amax = 6 * 2**k``;
     - ``"ocp"``: OCP MX v1.0 Algorithm 1, ``floor(log2(amax)) - 2``; blocks whose peak mantissa
       exceeds 1.5 clip their largest element to 6 (k3_format.md §4.2-4.3).
 
     ``amax = 0`` gives exponent 0 (byte 127). Exponents are clamped to E8M0's [-127, 127].
     """
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown MXFP4 scale rule {rule!r}; use one of {SCALE_RULES}")
     amax = np.asarray(amax, np.float32)
     safe = np.where(amax > 0, amax, np.float32(1.0))
-    if rule == "ceil":
-        # frexp: safe/6 = m * 2**e with m in [0.5, 1): ceil(log2) = e, or e - 1 when m == 0.5.
-        m, e = np.frexp(safe / np.float32(E2M1_MAX))
-        exp = np.where(m == 0.5, e - 1, e)
-    elif rule == "ocp":
-        _, e = np.frexp(safe)  # floor(log2(safe)) = e - 1
-        exp = (e - 1) - E2M1_EMAX
-    else:
-        raise ValueError(f"unknown MXFP4 scale rule {rule!r}; use 'ceil' or 'ocp'")
+    m, e = np.frexp(safe)  # safe = m * 2**e, m in [0.5, 1): M = 2m, fl = e - 1
+    mantissa, fl = 2 * m.astype(np.float64), e.astype(np.int64) - 1
+    exp = fl - E2M1_EMAX
+    if rule == "aiter":
+        exp = exp + (mantissa >= 1.5)
+    elif rule == "ceil":
+        exp = exp + (mantissa > E2M1_MAX / 2**E2M1_EMAX)
     exp = np.where(amax > 0, exp, 0)
-    return np.clip(exp, -E8M0_BIAS, E8M0_BIAS).astype(np.int32)
+    return np.clip(exp, E8M0_MIN_EXP, E8M0_MAX_EXP).astype(np.int32)
 
 
-def encode(w: np.ndarray, *, rule: ScaleRule = "ceil") -> tuple[np.ndarray, np.ndarray]:
+def encode(w: np.ndarray, *, rule: ScaleRule = DEFAULT_SCALE_RULE) -> tuple[np.ndarray, np.ndarray]:
     """``W [..., out, in]`` (float) -> (``weight_packed [..., out, in/2]``, ``weight_scale [..., out, in/32]``).
 
     Round-to-nearest-even on the E2M1 grid after dividing by the block scale, saturating at +-6.
@@ -113,15 +124,19 @@ def encode(w: np.ndarray, *, rule: ScaleRule = "ceil") -> tuple[np.ndarray, np.n
     if n_in % GROUP_SIZE:
         raise ValueError(f"MXFP4 needs the input dimension to be a multiple of {GROUP_SIZE}, got {n_in}")
     blocks = w.reshape(*w.shape[:-1], n_in // GROUP_SIZE, GROUP_SIZE)
-    exp = shared_exponent(np.max(np.abs(blocks), axis=-1), rule)
-    scaled = blocks * np.ldexp(np.float32(1.0), -exp)[..., None].astype(np.float32)
-    codes = _round_to_e2m1(scaled).reshape(*w.shape[:-1], n_in)
+    amax = np.max(np.abs(blocks), axis=-1)
+    finite = np.isfinite(amax)
+    exp = shared_exponent(np.where(finite, amax, 0), rule)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = blocks * np.ldexp(np.float32(1.0), -exp)[..., None].astype(np.float32)
+    codes = np.where(finite[..., None], _round_to_e2m1(np.where(finite[..., None], scaled, 0)), np.uint8(0))
+    codes = codes.reshape(*w.shape[:-1], n_in)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    scale = (exp + E8M0_BIAS).astype(np.uint8)
+    scale = np.where(finite, exp + E8M0_BIAS, E8M0_NAN).astype(np.uint8)
     return packed, scale
 
 
-def quantize_dequantize(w: np.ndarray, *, rule: ScaleRule = "ceil") -> np.ndarray:
+def quantize_dequantize(w: np.ndarray, *, rule: ScaleRule = DEFAULT_SCALE_RULE) -> np.ndarray:
     """Fake quantization ``decode(encode(w))`` along the last axis, in w's dtype."""
     w = np.asarray(w)
     return decode(*encode(w, rule=rule), dtype=np.float32).astype(w.dtype)
@@ -129,15 +144,12 @@ def quantize_dequantize(w: np.ndarray, *, rule: ScaleRule = "ceil") -> np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class PackedMXFP4:
-    """A routed-expert weight kept packed (``from_hf(..., keep_mxfp4=True)``).
+    """One packed weight on the host: ``packed [..., out, in/2]`` and ``scale [..., out, in/32]`` in
+    HF orientation, standing for the k3jax-orientation array ``[..., in, out]`` (``logical_shape``).
+    (In a model, packed experts live in ``k3jax.quant.packed.MXFP4Weight`` modules.)"""
 
-    ``packed [..., out, in/2]`` and ``scale [..., out, in/32]`` in HF orientation; the leading axes
-    are the k3jax leaf's leading axes (``[groups,] experts``). The dense k3jax leaf it stands for has
-    shape ``[..., in, out]`` (``logical_shape``). Arrays may be NumPy or JAX arrays.
-    """
-
-    packed: object
-    scale: object
+    packed: np.ndarray
+    scale: np.ndarray
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -153,17 +165,6 @@ class PackedMXFP4:
         w = decode(np.asarray(self.packed), np.asarray(self.scale), np.float32)
         return np.swapaxes(w, -1, -2).astype(dtype)
 
-
-def _register_pytree():
-    try:
-        import jax
-    except ImportError:  # pragma: no cover - NumPy-only use
-        return
-    jax.tree_util.register_pytree_node(
-        PackedMXFP4, lambda p: ((p.packed, p.scale), None), lambda _, c: PackedMXFP4(*c))
-
-
-_register_pytree()
 
 __all__ = ["E2M1_VALUES", "GROUP_SIZE", "PackedMXFP4", "decode", "e8m0_to_float", "encode",
            "quantize_dequantize", "shared_exponent"]

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.sharding import gather_weight
+
 
 class RouterBias(nnx.Variable):
     """Selection-only balancing bias of a MoE router: state, not a trainable parameter."""
@@ -83,5 +85,6 @@ def constant(value: float, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 
 def cast(p: nnx.Variable, dtype) -> jax.Array:
-    """A parameter's value in the compute dtype (params are stored in ``param_dtype``)."""
-    return p[...].astype(dtype)
+    """A parameter's value in the compute dtype (params are stored in ``param_dtype``), gathered over
+    the FSDP mesh axes when running under a mesh (``k3jax.sharding.gather_weight``)."""
+    return gather_weight(p[...].astype(dtype), p.get_metadata().get("out_sharding"))

@@ -15,8 +15,10 @@ from k3jax.cache import KDACache
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, constant, normal, param, uniform
 from k3jax.ops.conv import causal_conv1d
-from k3jax.ops.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
+from k3jax import kernels
+from k3jax.ops.kda import kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
 from k3jax.ops.norms import l2_norm, rms_norm
+from k3jax.parallel import sequence as seq_parallel
 
 # fla's dt initialisation range for the softplus gate: dt ~ logU(1e-3, 1e-1), floor 1e-4.
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -41,6 +43,7 @@ class KDA(nnx.Module):
         c, d, pd, std = cfg.kda, cfg.hidden_size, jnp.dtype(cfg.param_dtype), cfg.init_std
         h, k, r = c.num_heads, c.head_dim, c.rank
         self.cfg, self.dtype = c, jnp.dtype(cfg.dtype)
+        self.chunk_kda = kernels.chunk_kda(cfg.kda_impl)  # the pure-JAX op or the Pallas kernel
         hk = ("embed", "heads", "head_dim")
         self.q_proj = normal(rngs, (d, h, k), hk, std, pd)
         self.k_proj = normal(rngs, (d, h, k), hk, std, pd)
@@ -68,11 +71,15 @@ class KDA(nnx.Module):
         self.o_norm = constant(1.0, (k,), ("head_dim",), pd)
         self.o_proj = normal(rngs, (h, k, d), ("heads", "head_dim", "embed"), std, pd)
 
-    def _short_conv(self, x: jax.Array, w: nnx.Param | None, segment_ids, conv_state):
+    def _short_conv(self, x: jax.Array, w: nnx.Param | None, segment_ids, conv_state, sequence_parallel: bool):
         """silu(causal depthwise conv) of ``x [B, T, H, K]``; returns (y, new conv state or None)."""
         if w is None:
             return jax.nn.silu(x), conv_state
         b, t, h, k = x.shape
+        if sequence_parallel:
+            y = seq_parallel.causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k),
+                                           segment_ids=segment_ids)
+            return jax.nn.silu(y).reshape(b, t, h, k), conv_state
         y, conv_state = causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k),
                                       segment_ids=segment_ids, initial_state=conv_state,
                                       output_final_state=conv_state is not None)
@@ -90,14 +97,21 @@ class KDA(nnx.Module):
         if token_valid is not None:
             x = jnp.where(token_valid[..., None], x, jnp.zeros((), dt))
         conv = c.conv_size > 0
+        # time split over the `sequence` mesh axis (training / full forward only; each shard needs
+        # the conv's W-1 halo from its predecessor)
+        halo = max(c.conv_size - 1, 1)
+        sequence_parallel = cache is None and seq_parallel.sequence_shards(x.shape[1], halo) > 1
 
         def proj(w):
             return jnp.einsum("btd,dhk->bthk", x, cast(w, dt))
 
         cq, ck, cv = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
-        q, cq = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids, cq)
-        k, ck = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids, ck)
-        v, cv = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids, cv)
+        q, cq = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids, cq,
+                                  sequence_parallel)
+        k, ck = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids, ck,
+                                  sequence_parallel)
+        v, cv = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids, cv,
+                                  sequence_parallel)
         q, k = l2_norm(q), l2_norm(k)
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.b_proj, dt)).astype(jnp.float32))
         z = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.f_a, dt)), cast(self.f_b, dt))
@@ -112,8 +126,11 @@ class KDA(nnx.Module):
         initial = cache.state if cache is not None else None
         if cache is not None and x.shape[1] == 1:  # decode: one recurrent step
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True)
+        elif sequence_parallel:
+            o, state = seq_parallel.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
+                                              chunk_fn=self.chunk_kda), None
         else:
-            o, state = chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
+            o, state = self.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
                                  initial_state=initial, output_final_state=cache is not None)
         o = rms_norm(o, self.o_norm[...], c.norm_eps)
         if c.output_gate == "full":

@@ -8,12 +8,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import kernels
 from k3jax import quantile_balancing as qb
 from k3jax.config import ModelConfig
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
-from k3jax.ops.moe import grouped_glu_experts, sigmoid_topk_route
+from k3jax.ops.moe import sigmoid_topk_route
+from k3jax.parallel.context import current_mesh
+from k3jax.parallel.expert import expert_parallel_experts
+from k3jax.quant.experts import activation_quantizer, expert_param, expert_weight
 
 
 class LatentMoE(nnx.Module):
@@ -26,6 +30,10 @@ class LatentMoE(nnx.Module):
         self.cfg = m
         self.activation, self.beta, self.linear_beta = cfg.activation, cfg.situ_beta, cfg.situ_linear_beta
         self.dtype = jnp.dtype(cfg.dtype)
+        self.quant = cfg.quant  # routed experts: dense, MXFP4 QAT or packed MXFP4 (k3jax/quant)
+        # Single-device expert compute: ragged_dot or the Pallas grouped matmul (k3jax/kernels.py); the
+        # expert-parallel path (under a mesh) runs ragged_dot inside its shard_map.
+        self.grouped_glu_experts = kernels.grouped_glu_experts(cfg.moe_impl)
         self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)
         self.router_bias = constant(0.0, (m.num_experts,), ("expert",), jnp.float32, RouterBias) \
             if m.router_bias else None
@@ -35,9 +43,9 @@ class LatentMoE(nnx.Module):
             self.up = normal(rngs, (width, d), ("latent", "embed"), std, pd)
             self.latent_norm = RMSNorm(width, cfg.norm_eps, param_dtype=pd) if m.latent_norm else None
         e, f = m.num_experts, m.expert_dim
-        self.w_gate = normal(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd)
-        self.w_up = normal(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd)
-        self.w_down = normal(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd)
+        self.w_gate = expert_param(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd, cfg.quant)
+        self.w_up = expert_param(rngs, (e, width, f), ("expert", "expert_in", "expert_mlp"), std, pd, cfg.quant)
+        self.w_down = expert_param(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd, cfg.quant)
         self.shared = GatedFFN(cfg, f * m.num_shared_experts, rngs=rngs) if m.num_shared_experts else None
 
     def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None):
@@ -55,10 +63,17 @@ class LatentMoE(nnx.Module):
         z = xf.astype(dt)
         if m.latent_dim:
             z = jnp.einsum("nd,dl->nl", z, cast(self.down, dt))
-        pair_out = grouped_glu_experts(z, route.experts, cast(self.w_gate, dt), cast(self.w_up, dt),
-                                       cast(self.w_down, dt), activation=self.activation, beta=self.beta,
-                                       linear_beta=self.linear_beta)
-        u = jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
+        experts = tuple(expert_weight(w, dt, self.quant) for w in (self.w_gate, self.w_up, self.w_down))
+        glu = dict(activation=self.activation, beta=self.beta, linear_beta=self.linear_beta)
+        act_quant = activation_quantizer(self.quant)
+        if act_quant is not None:
+            glu["act_quant"] = act_quant
+        if current_mesh() is None:
+            pair_out = self.grouped_glu_experts(z, route.experts, *experts, **glu)
+            u = jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
+        else:  # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
+            u = expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
+                                        capacity_factor=m.ep_capacity_factor, **glu)
         if m.latent_dim:
             if self.latent_norm is not None:
                 u = self.latent_norm(u)

@@ -9,8 +9,9 @@ from k3jax.cache import MLACache
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, normal
 from k3jax.layers.norm import RMSNorm
-from k3jax.ops.attention import attention, attention_mask
+from k3jax.ops.attention import chunked_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
+from k3jax.parallel import sequence as seq_parallel
 
 
 class MLA(nnx.Module):
@@ -81,18 +82,35 @@ class MLA(nnx.Module):
         k_rope = self._rope(ckv_rope[..., None, c.kv_lora_rank:], positions)  # [B, T, 1, R]: shared by heads
         kv_b = cast(self.kv_b, dt)
         if cache is None:
-            kv = jnp.einsum("btr,rhp->bthp", ckv, kv_b)
-            k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
-            index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            o = attention(q, k, v, attention_mask(index, index, segment_ids, segment_ids), scale=self.softmax_scale)
+            kv_latent = jnp.concatenate([ckv, k_rope[:, :, 0]], axis=-1)  # [B, T, r + R]: 576 wide for K3
+            if seq_parallel.sequence_shards(t) > 1:  # time split over `sequence`: shards gather the latent
+                o = seq_parallel.mla_attention(self.expanded_attention, q, kv_latent, segment_ids, kv_b)
+            else:
+                index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+                o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
             return self._gate_and_project(x, o), None
         ckv_all = jax.lax.dynamic_update_slice_in_dim(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index, axis=1)
         k_rope_all = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype),
                                                          cache_index, axis=1)
         o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
         return self._gate_and_project(x, o), MLACache(ckv_all, k_rope_all)
+
+    def expanded_attention(self, q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b):
+        """Training attention: the latent expanded to per-head keys and values.
+
+        q ``[B, T, H, nope + R]``, kv_latent ``[B, S, r + R]`` (normalised ``c_kv`` | ``k_rope``),
+        positions ``q_index [B, T]`` / ``kv_index [B, S]`` (causal mask), segment ids ``[B, T]`` /
+        ``[B, S]`` or None, kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``.
+        """
+        c = self.cfg
+        ckv, k_rope = kv_latent[..., : c.kv_lora_rank], kv_latent[..., None, c.kv_lora_rank:]  # k_rope [B, S, 1, R]
+        kv = jnp.einsum("bsr,rhp->bshp", ckv, kv_b)
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
+        # query/key blocks beyond attention.Q_CHUNK / KV_CHUNK tokens: bounded memory for long prompts
+        return chunked_attention(q, k, v, q_index, kv_index, q_segment_ids=q_segment_ids,
+                                 kv_segment_ids=kv_segment_ids, scale=self.softmax_scale)
 
     def absorbed_attention(self, q_nope, q_rope, ckv, k_rope, kv_b, cache_index, kv_valid):
         """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
@@ -109,6 +127,6 @@ class MLA(nnx.Module):
         k = jnp.concatenate([ckv, k_rope.astype(ckv.dtype)], axis=-1)[:, :, None]  # [B, S, 1, r + R]
         q_index = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
         kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        mask = attention_mask(q_index, kv_index, kv_valid=kv_valid)
-        o_lat = attention(q, k, ckv[:, :, None], mask, scale=self.softmax_scale)  # [B, T, H, r]
+        o_lat = chunked_attention(q, k, ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
+                                  scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)

@@ -5,7 +5,7 @@ with top-k, not with the number of experts, and no token is ever dropped. (XLA:C
 matmul: jax lowers it to a dense masked matmul over all groups, so CPU cost grows with E.)
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,8 @@ def sigmoid_topk_route(logits: jax.Array, bias: jax.Array | None, top_k: int, *,
 
 
 def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                        *, activation: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
+                        *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
+                        act_quant: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """Run every (token, selected expert) pair through its expert; dropless.
 
     x ``[N, D]``, experts ``[N, k]`` int, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]``.
@@ -55,9 +56,28 @@ def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
     order = jnp.argsort(flat, stable=True)  # pair ids grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D]
+    ys = ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation, beta=beta,
+                    linear_beta=linear_beta, act_quant=act_quant)  # [N*k, D], sorted by expert
+    inverse = jnp.argsort(order)  # sorted position of each pair (a permutation's inverse)
+    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+
+
+def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
+               act_quant: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """The GLU experts over rows already grouped by expert: rows ``[0, group_sizes[0])`` go through
+    expert 0, the next ``group_sizes[1]`` through expert 1, ...
+
+    xs ``[M, D]``, group_sizes ``[E]`` int32, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]`` ->
+    ``[M, D]`` in xs's dtype. Rows past ``sum(group_sizes)`` belong to no expert (XLA:CPU returns
+    zeros there; other backends may not, so callers with such rows mask them). ``act_quant`` (e.g. MXFP8
+    fake quantization) is applied to the input of each matmul stage: xs and the GLU output.
+    """
+    if act_quant is not None:  # quantize both matmul stages' inputs (MXFP8, k3jax/quant); per row
+        xs = act_quant(xs)
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
     h = glu(gate, up, activation, beta, linear_beta)
-    ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [N*k, D], sorted by expert
-    inverse = jnp.argsort(order)  # sorted position of each pair (a permutation's inverse)
-    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+    if act_quant is not None:
+        h = act_quant(h)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)

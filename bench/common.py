@@ -1,0 +1,116 @@
+"""Shared pieces of the CPU benchmarks (decode.py, train_step.py): the HF Kimi Linear config matched
+to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers.
+
+Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def log(*args) -> None:
+    """Progress goes to stderr; stdout carries only the JSON result."""
+    print(*args, file=sys.stderr, flush=True)
+
+
+def timed(fn, block) -> float:
+    """Wall seconds of ``block(fn())``."""
+    t0 = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - t0
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def hf_kimi_linear_config(cfg, *, vocab_size: int | None = None):
+    """A ``transformers.KimiLinearConfig`` of the same size as the k3jax ``ModelConfig`` ``cfg``.
+
+    Equal: vocab, width, depth, layer layout (which layers are MLA), dense prefix and its FFN width,
+    KDA heads / head dim / conv, MLA heads and every MLA dim, experts, top-k. Kimi Linear has no latent
+    MoE, so its routed experts get the intermediate width ``expert_dim * latent_dim / hidden_size``:
+    the same parameters and FLOPs per routed expert as the latent expert (``3 * latent * expert_dim``);
+    HF runs its shared experts as one MLP of width ``moe_intermediate_size * n_shared_experts``, which
+    is set to k3jax's ``expert_dim * num_shared_experts``. What stays different is K3-only structure:
+    the latent down/up projections, the MLA output gate, the full-rank KDA output gate, AttnRes, and
+    SiTU-GLU vs SwiGLU.
+    """
+    from transformers import KimiLinearConfig
+
+    m = cfg.moe
+    routed_width = m.expert_dim * m.latent_dim // cfg.hidden_size if m.latent_dim else m.expert_dim
+    shared_total = m.expert_dim * m.num_shared_experts
+    if shared_total % routed_width:
+        raise ValueError(f"shared expert width {shared_total} is not a multiple of the routed width {routed_width}")
+    mla_layers = [i + 1 for i in range(cfg.num_layers) if cfg.mixer(i) == "mla"]  # HF counts from 1
+    kda_layers = [i + 1 for i in range(cfg.num_layers) if cfg.mixer(i) == "kda"]
+    return KimiLinearConfig(
+        vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        intermediate_size=cfg.dense_ffn_dim, first_k_dense_replace=cfg.first_dense_layers,
+        moe_intermediate_size=routed_width, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+        n_shared_experts=shared_total // routed_width, routed_scaling_factor=m.routed_scaling_factor,
+        num_attention_heads=cfg.mla.num_heads, num_key_value_heads=cfg.mla.num_heads,
+        q_lora_rank=cfg.mla.q_lora_rank or None, kv_lora_rank=cfg.mla.kv_lora_rank,
+        qk_nope_head_dim=cfg.mla.qk_nope_head_dim, qk_rope_head_dim=cfg.mla.qk_rope_head_dim,
+        v_head_dim=cfg.mla.v_head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
+        linear_attn_config={"head_dim": cfg.kda.head_dim, "num_heads": cfg.kda.num_heads,
+                            "short_conv_kernel_size": cfg.kda.conv_size, "kda_layers": kda_layers,
+                            "full_attn_layers": mla_layers},
+        tie_word_embeddings=cfg.tie_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def torch_param_counts(model) -> dict[str, int]:
+    """k3jax's rule (``k3jax.params``) on a torch KimiLinearForCausalLM: total; active = total minus
+    the unselected share of the routed experts minus the input embedding table."""
+    cfg = model.config
+    total = routed = embedding = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name:
+            routed += p.numel()
+        if name.endswith("embed_tokens.weight"):
+            embedding = p.numel()
+    active = total - routed + routed * cfg.num_experts_per_tok // cfg.num_local_experts - embedding
+    return {"total": total, "active": active}
+
+
+def randomize_torch(model, seed: int) -> None:
+    """Every HF parameter away from its init (norm gains, gate constants, router bias), at scales that
+    keep the activations O(1), so the k3jax/HF parity check cannot pass by accident."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        tensors = dict(model.named_parameters())
+        tensors.update({k: v for k, v in model.named_buffers() if v.is_floating_point() and "inv_freq" not in k})
+        for name, p in tensors.items():
+            randn = torch.randn(p.shape, generator=g)
+            if name.endswith("A_log"):
+                v = torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=g))
+            elif "norm" in name:
+                v = 1.0 + 0.1 * randn
+            elif p.ndim >= 2 and "embed_tokens" not in name:
+                v = randn / math.sqrt(p.shape[-1])
+            else:
+                v = 0.1 * randn
+            p.copy_(v.to(p.dtype))
+
+
+def cpu_info() -> dict:
+    import jax
+    import torch
+
+    return {"cpu_cores": os.cpu_count(), "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+            "torch_threads": torch.get_num_threads(),
+            "jax_backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__}

@@ -1,0 +1,200 @@
+"""Prefill and decode throughput on CPU, k3jax against HF transformers; prints one JSON document.
+
+    python bench/decode.py            # `small` config, batch 1 and 8 (~20 min on 2 busy cores)
+    python bench/decode.py --quick    # smoke run: `tiny`, short prompt, XLA optimisations off
+
+Three models, timed in the same process, interleaved repeat by repeat (so that load from other
+processes hits all of them alike), after a warm-up call that also gives the compile time:
+
+- ``k3jax_<config>``: the k3jax config itself (K3 mechanisms: AttnRes, latent MoE, gated MLA, ...),
+  through ``k3jax.generate.generate``;
+- ``hf_kimi_linear``: ``transformers.KimiLinearForCausalLM.generate`` (greedy) on a Kimi Linear config
+  of the same size (``common.hf_kimi_linear_config``: same widths, depth, layout, heads, experts),
+  random weights, torch reference kernels (fla / causal_conv1d are not installed);
+- ``k3jax_kimi_linear``: that same HF checkpoint loaded with ``k3jax.interop.from_hf``: identical
+  weights and architecture, so ``k3jax_kimi_linear / hf_kimi_linear`` is the like-for-like figure;
+  the logits are compared once (``parity``).
+
+Prefill = a call generating 0 new tokens (k3jax) / 1 token (HF: its first token comes from the
+prefill logits); decode tokens/s = ``B * N / (t(N) - t(prefill))``, both sides running N single-token
+forward passes in that difference, taken within each repeat. Medians over ``--repeats`` (and the
+best repeat, the figure least disturbed by other load; ``load_average`` says how busy the machine
+was). Float32 everywhere.
+
+Also: the decoding cache of ``k3`` at 1M context (``--cache-config``, ``--cache-context``), computed
+on abstract shapes with ``jax.eval_shape`` (nothing allocated): bytes per token, the fixed part
+(KDA states, conv tails) and bytes per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+# common first: it pins JAX to the CPU before jax is imported
+from common import cpu_info, hf_kimi_linear_config, log, median, randomize_torch, timed, torch_param_counts
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from k3jax.cache import cache_bytes, init_cache  # noqa: E402
+from k3jax.config import load_config  # noqa: E402
+from k3jax.generate import generate  # noqa: E402
+from k3jax.interop import from_hf  # noqa: E402
+from k3jax.model import create_model, plan_layers  # noqa: E402
+from k3jax.params import count_params  # noqa: E402
+
+# First token id of the random prompts: HF's KimiLinear config reserves 0-2 (pad, bos, eos).
+FIRST_PROMPT_ID = 3
+ONE_MEBI = 1 << 20
+MIN_DURATION_S = 1e-6  # floor of a measured decode time (a difference of two timings)
+
+
+def k3jax_runner(model, prompt, new_tokens):
+    """(prefill, generate, block) callables for one k3jax model and prompt batch."""
+    prompt = jax.device_put(prompt)
+    return (lambda: generate(model, prompt, 0), lambda: generate(model, prompt, new_tokens),
+            jax.block_until_ready)
+
+
+def hf_runner(model, prompt, new_tokens):
+    ids = torch.as_tensor(prompt, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)
+
+    # HF's first new token comes from the prefill logits: prefill = 1 token, N decode forwards = N + 1.
+    return lambda: gen(1), lambda: gen(new_tokens + 1), lambda out: out
+
+
+def bench_batch(models: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int, vocab: int, seed: int):
+    prompt = np.random.default_rng(seed).integers(FIRST_PROMPT_ID, vocab, (batch, prompt_len)).astype(np.int32)
+    runners = {name: (hf_runner if name.startswith("hf_") else k3jax_runner)(m, prompt, new_tokens)
+               for name, m in models.items()}
+    first = {}
+    for name, (prefill, gen, block) in runners.items():
+        log(f"  batch {batch}: warm-up (compile) {name}")
+        first[name] = (timed(prefill, block), timed(gen, block))
+    times = {name: ([], []) for name in runners}
+    for r in range(repeats):
+        log(f"  batch {batch}: repeat {r + 1}/{repeats}")
+        for name, (prefill, gen, block) in runners.items():
+            times[name][0].append(timed(prefill, block))
+            times[name][1].append(timed(gen, block))
+    out = {}
+    for name, (t_pre, t_gen) in times.items():
+        # decode time from the prefill and generate calls of the same repeat (adjacent in time, so
+        # under a fluctuating load their difference is steadier than a difference of medians)
+        t_dec = [max(g - p, MIN_DURATION_S) for p, g in zip(t_pre, t_gen)]
+        pre, dec = median(t_pre), median(t_dec)
+        out[name] = {"prefill_tokens_per_s": round(batch * prompt_len / pre, 2),
+                     "decode_tokens_per_s": round(batch * new_tokens / dec, 2),
+                     "best_of_repeats": {"prefill_tokens_per_s": round(batch * prompt_len / min(t_pre), 2),
+                                         "decode_tokens_per_s": round(batch * new_tokens / min(t_dec), 2)},
+                     "prefill_s_all": [round(x, 4) for x in t_pre], "generate_s_all": [round(x, 4) for x in t_gen],
+                     "decode_step_s": round(dec / new_tokens, 5),
+                     "first_call_minus_median_s": {"prefill": round(first[name][0] - pre, 2),
+                                                   "generate": round(first[name][1] - median(t_gen), 2)}}
+    return out, prompt
+
+
+def cache_report(config: str, context: int) -> dict:
+    """Bytes of the decoding cache of ``config`` at ``context`` tokens, from abstract shapes only."""
+    cfg = load_config(config).model
+    plan = plan_layers(cfg)
+
+    def nbytes(batch, length):
+        return cache_bytes(jax.eval_shape(lambda: init_cache(cfg, plan, batch, length)))
+
+    half = context // 2
+    per_seq = nbytes(1, context)
+    per_token = (per_seq - nbytes(1, half)) / (context - half)
+    mla = [i for i in range(cfg.num_layers) if cfg.mixer(i) == "mla"]
+    itemsize = np.dtype(cfg.dtype).itemsize
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    return {"config": config, "context": context, "dtype": cfg.dtype,
+            "bytes_per_token": per_token,
+            "bytes_per_token_formula": f"{len(mla)} MLA layers x ({cfg.mla.kv_lora_rank} latent + "
+                                       f"{cfg.mla.qk_rope_head_dim} rope) x {itemsize} B + 1 B valid flag "
+                                       f"= {len(mla) * latent * itemsize + 1}",
+            "bytes_fixed_per_sequence": int(per_seq - per_token * context),
+            "bytes_per_sequence": per_seq, "gib_per_sequence": round(per_seq / 2**30, 3)}
+
+
+def ratios(results: dict, num: str, den: str) -> dict:
+    return {f"batch_{b}": {k: round(r[num][f"{k}_tokens_per_s"] / r[den][f"{k}_tokens_per_s"], 3)
+                           for k in ("prefill", "decode")} for b, r in results.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny config and sizes, one repeat")
+    ap.add_argument("--config", default=None, help="k3jax config (default: small; tiny with --quick)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 16 with --quick)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 64; 4 with --quick)")
+    ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8; 1,2 with --quick)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats, median taken (default 3; 1 quick)")
+    ap.add_argument("--cache-config", default="k3", help="config whose cache size is reported")
+    ap.add_argument("--cache-context", type=int, default=ONE_MEBI, help="context length of the cache report")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    q = args.quick
+    config = args.config or ("tiny" if q else "small")
+    prompt_len = args.prompt_len or (16 if q else 128)
+    new_tokens = args.new_tokens or (4 if q else 64)
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if q else "1,8")).split(",")]
+    repeats = args.repeats or (1 if q else 3)
+    if q:
+        # A smoke run checks that the bench works; XLA:CPU's optimisation passes would dominate it.
+        jax.config.update("jax_disable_most_optimizations", True)
+    import transformers
+    from transformers import KimiLinearForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(args.seed)
+
+    cfg = load_config(config).model
+    log(f"decode bench: k3jax {config!r} vs HF KimiLinearForCausalLM (matched size, and identical weights)")
+    models = {f"k3jax_{config}": create_model(cfg, seed=args.seed)}
+    hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg)).eval()
+    randomize_torch(hf_model, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        models["k3jax_kimi_linear"] = from_hf(tmp)
+    models["hf_kimi_linear"] = hf_model
+
+    results, parity = {}, {}
+    for b in batch_sizes:
+        results[b], prompt = bench_batch(models, b, prompt_len, new_tokens, repeats, cfg.vocab_size,
+                                         args.seed + b)
+        if not parity:
+            with torch.inference_mode():
+                ref = hf_model(torch.as_tensor(prompt, dtype=torch.long)).logits.float().numpy()
+            ours = np.asarray(models["k3jax_kimi_linear"](jax.numpy.asarray(prompt))[0])
+            parity = {"max_abs_logit_diff": float(np.max(np.abs(ours - ref))),
+                      "max_rel_logit_diff": float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))}
+
+    report = {
+        "bench": "decode", "quick": q, "xla_optimizations": not q, **cpu_info(),
+        "settings": {"config": config, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                     "batch_sizes": batch_sizes, "repeats": repeats, "dtype": "float32", "sampling": "greedy"},
+        "params": {f"k3jax_{config}": count_params(cfg)["total"],
+                   "kimi_linear (k3jax and HF, identical)": torch_param_counts(hf_model)["total"]},
+        "parity_k3jax_vs_hf_same_weights": parity,
+        "results": {f"batch_{b}": r for b, r in results.items()},
+        "ratios": {"k3jax_kimi_linear / hf_kimi_linear (identical weights)":
+                   ratios(results, "k3jax_kimi_linear", "hf_kimi_linear"),
+                   f"k3jax_{config} / hf_kimi_linear (matched size)":
+                   ratios(results, f"k3jax_{config}", "hf_kimi_linear")},
+        "cache": cache_report(args.cache_config, args.cache_context),
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

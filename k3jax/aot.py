@@ -1,0 +1,427 @@
+"""Ahead-of-time compiles for TPU pod slices on a CPU-only host: the proof that a config fits.
+
+::
+
+    python -m k3jax.aot                                   # the PLAN below: table + docs/scale.md
+    python -m k3jax.aot --config k3 --mode train --slice v5p-1024 --mesh fsdp=8,expert=64 --batch 512
+    python -m k3jax.aot --config k3 --mode decode --slice v5p-128 --mesh expert=64 --batch 1 --seq-len 1048576
+
+``jax[tpu]`` ships libtpu, whose compiler runs without a TPU: ``get_topology_desc`` describes the
+devices of a slice, a mesh is built on them (``k3jax.sharding.make_mesh``), and the *real* programs
+are lowered from ``ShapeDtypeStruct`` arguments that carry the rule-derived shardings and compiled:
+
+- ``train``: ``k3jax.training.make_train_step`` over the split ``TrainState`` (model, per-head Muon +
+  AdamW state, step counters), built abstractly (``abstract_model`` + ``jax.eval_shape``: nothing is
+  allocated, the full K3 state builds in about a second), state donated.
+- ``decode``: one token of ``model(tokens, cache=cache)`` (the step ``k3jax.generate`` loops over)
+  against a cache of ``seq_len`` slots (``model.init_cache``), cache donated.
+
+``compiled.memory_analysis()`` gives per-device argument / output / alias / temp bytes; their sum
+less the aliased (donated) bytes is what one device needs, and libtpu refuses to compile a program
+that exceeds the device's HBM (``RESOURCE_EXHAUSTED``), which is reported as "does not fit" with the
+size it asked for.
+
+FLOPs: ``compiled.cost_analysis()['flops']`` is per device and counts the body of every loop once
+(a ``lax.scan`` over the K3 layer groups runs 22 times but is counted once). The step's FLOPs are
+therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group`` the FLOPs of one scanned layer
+group measured by compiling the same program without the group stack (``F - F_no_groups``; for
+``train`` the differenced program is the loss and gradient alone, so the optimizer update of the
+stacked weights, which is not inside the loop, is not multiplied). The chunked KDA's inner scan over
+the chunks of a sequence is still counted once per layer (its inter-chunk state recurrence, under 1%
+of a KDA layer's FLOPs, is undercounted). ``6 * N_active * tokens`` (training) and
+``2 * N_active * tokens`` (one decode step) are the model FLOPs; the ratio shows recompute (remat),
+attention, Newton-Schulz and any wasted compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Literal
+
+# Compiling for a TPU topology needs no TPU: keep JAX on the CPU (libtpu would otherwise try to
+# claim a local TPU), and let several processes load libtpu at once (tests run in parallel).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from k3jax.config import Config, MeshConfig, load_config  # noqa: E402
+from k3jax.model import K3Model, abstract_model  # noqa: E402
+from k3jax.optim import make_optimizer  # noqa: E402
+from k3jax.params import count_params  # noqa: E402
+from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings,  # noqa: E402
+                            cache_shardings, logical_to_spec, make_mesh, state_shardings)
+from k3jax.training import TrainState, make_train_step, next_token_loss  # noqa: E402
+
+GIB = 1024**3
+# HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
+# quotes); Cloud TPU documents 95 GiB usable of 96 GiB physical per chip.
+V5P_HBM_BYTES = int(95.74 * GIB)
+# v5p slices as Cloud TPU names them (v5p-N: N TensorCores = 2 per chip) -> chips per dimension.
+# A v5p chip is one JAX device (megacore: its two TensorCores act as one).
+V5P_SHAPES = {
+    "v5p-8": (2, 2, 1), "v5p-16": (2, 2, 2), "v5p-64": (2, 4, 4), "v5p-128": (4, 4, 4),
+    "v5p-256": (4, 4, 8), "v5p-512": (4, 8, 8), "v5p-1024": (8, 8, 8), "v5p-1536": (8, 8, 12),
+    "v5p-2048": (8, 8, 16), "v5p-4096": (8, 16, 16),
+}
+_CUBE = 4  # a full v5p cube is 4x4x4 chips; slices of whole cubes are wrapped into a 3D torus
+_CHIPS_PER_HOST = (2, 2, 1)
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+_BATCH_DTYPES = {"loss_mask": jnp.float32}  # the data pipeline's dtypes; the rest are int32
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """A TPU pod slice to compile for (no TPU needed)."""
+
+    name: str  # e.g. "v5p-1024"
+    chips: tuple[int, ...]  # chips per torus dimension, e.g. (8, 8, 8)
+    hbm_bytes: int  # per device
+
+    @classmethod
+    def v5p(cls, name: str) -> "TpuSlice":
+        if name not in V5P_SHAPES:
+            raise ValueError(f"unknown slice {name!r}; known: {', '.join(V5P_SHAPES)}")
+        return cls(name, V5P_SHAPES[name], V5P_HBM_BYTES)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.chips)
+
+    @property
+    def topology(self) -> str:
+        return "v5:" + "x".join(map(str, self.chips))
+
+    def devices(self) -> list:
+        """libtpu's device descriptions of the slice (usable in a Mesh for lowering and compiling)."""
+        from jax.experimental import topologies
+
+        full_cube = all(c % _CUBE == 0 for c in self.chips)
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=self.topology, chip_config_name="megacore",
+                                            chips_per_host_bounds=_CHIPS_PER_HOST, num_slices=1,
+                                            wrap=(full_cube,) * len(self.chips))
+        return list(topo.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program to compile. ``batch`` is the global number of rows; ``seq_len`` is tokens per row
+    (train) or the cache length, i.e. the context (decode)."""
+
+    config: str
+    mode: Literal["train", "decode"]
+    slice: str
+    mesh: MeshConfig
+    batch: int
+    seq_len: int
+    overrides: tuple[str, ...] = ()
+    note: str = ""
+
+    def load(self) -> Config:
+        return load_config(self.config, list(self.overrides))
+
+
+# The scale proof (docs/scale.md). Train: the smallest v5p slice that holds full K3's float32 weights,
+# Muon momentum, AdamW moments (embeddings) and gradients with one 4096-token row per device; dense
+# weights FSDP-sharded over (fsdp, expert), routed experts over expert x fsdp. Decode: one 1M-token
+# sequence served from bfloat16 weights (the released checkpoints' precision).
+PLAN: tuple[Job, ...] = (
+    Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=8, expert=64), batch=512, seq_len=4096),
+    Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
+        overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
+    Job("k2", "train", "v5p-512", MeshConfig(data=1, fsdp=4, expert=64), batch=256, seq_len=4096),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Per-device memory (bytes) and FLOPs of one compiled job; ``error`` set when it did not fit."""
+
+    job: Job
+    mesh_shape: dict
+    num_devices: int
+    hbm_bytes: int
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
+    step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring)
+    model_flops: float = 0.0  # 6 (train) or 2 (decode) * N_active * tokens
+    compile_seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        """What one device holds at the peak: arguments + outputs - donated (aliased) + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.error and self.total_bytes <= self.hbm_bytes
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.step_flops / self.model_flops if self.model_flops else float("nan")
+
+    @property
+    def tokens(self) -> int:
+        return self.job.batch * (self.job.seq_len if self.job.mode == "train" else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract state, batches and caches
+
+
+def abstract_train_state(cfg: Config, model: K3Model | None = None):
+    """``(graphdef, state)`` of a ``TrainState`` whose leaves are ShapeDtypeStructs (with the
+    Variables' logical axis metadata): the model from ``abstract_model`` and the optimizer state from
+    ``jax.eval_shape`` of the optimizer's init. Nothing is allocated."""
+    model = abstract_model(cfg.model) if model is None else model
+    model_def, model_state = nnx.split(model)
+    out = {}
+
+    def build(state):
+        m = nnx.merge(model_def, state)
+        with nnx.use_eager_sharding(False):  # shardings come from the rules, not from eager placement
+            ts = TrainState(m, make_optimizer(cfg.train.optim, m, cfg.train.steps))
+        out["graphdef"], ts_state = nnx.split(ts)
+        return ts_state
+
+    state = jax.eval_shape(build, model_state)
+    return out["graphdef"], state
+
+
+def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES) -> dict:
+    """The training batch as sharded ShapeDtypeStructs ``[batch, seq_len]``."""
+    shape = (batch, seq_len)
+    sharding = NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
+    return {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
+
+
+def without_groups(model: K3Model) -> K3Model:
+    """The abstract model with its scanned layer stack removed (prefix and suffix layers, embedding and
+    head unchanged): the baseline that isolates one group's FLOPs."""
+    model.groups = None
+    model.plan = dataclasses.replace(model.plan, num_groups=0)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                code_bytes=m.generated_code_size_in_bytes)
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+OOM_DETAIL_LINES = 80  # of libtpu's out-of-memory report, which lists the largest allocations
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|exceeds available HBM", re.I)
+
+
+def _oom_summary(err: Exception) -> str:
+    """The compiler's own words on how much it needed (first line of the error)."""
+    text = str(err)
+    m = re.search(r"(Ran out of memory in memory space hbm[^.]*\.|[^\n]*exceeds available HBM[^\n]*)", text)
+    return (m.group(1) if m else text.splitlines()[0])[:400]
+
+
+def _lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    graphdef, state = abstract_train_state(cfg, model)
+    state_sh = state_shardings(state, mesh, rules)
+    args = (abstract_with_shardings(state, state_sh), abstract_batch(mesh, batch, seq_len, rules))
+    step = make_train_step(graphdef, cfg)
+    step = getattr(step, "__wrapped__", step)  # re-jit the same function with explicit shardings
+    jitted = jax.jit(step, in_shardings=(state_sh, args[1]["tokens"].sharding), out_shardings=(state_sh, None),
+                     donate_argnums=0)
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def _lower_loss_grad(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    """The train step's forward + backward alone (no optimizer): what one layer group adds."""
+    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+    params_sh, rest_sh = state_shardings(params, mesh, rules), state_shardings(rest, mesh, rules)
+    data = abstract_batch(mesh, batch, seq_len, rules)
+    z_loss = cfg.train.z_loss
+
+    def loss_grad(params, rest, mb):
+        def loss(params):
+            m = nnx.merge(model_def, params, rest)
+            logits, _, _ = m.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"])
+            return next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)[0]
+
+        return jax.grad(loss)(params)
+
+    jitted = jax.jit(loss_grad, in_shardings=(params_sh, rest_sh, data["tokens"].sharding), out_shardings=params_sh)
+    with jax.set_mesh(mesh):
+        return jitted.lower(abstract_with_shardings(params, params_sh), abstract_with_shardings(rest, rest_sh), data)
+
+
+def _lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    graphdef, state = nnx.split(model)
+    state_sh = state_shardings(state, mesh, rules)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, seq_len))
+    cache_sh = cache_shardings(cache, mesh, rules)
+    tok_sh = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh, (batch, 1)))
+    logits_sh = NamedSharding(mesh, logical_to_spec(("batch", "vocab"), rules, mesh, (batch, cfg.model.vocab_size)))
+
+    def decode_step(state, cache, tokens):
+        """One token per row: tokens ``[B, 1]`` -> (last logits ``[B, V]`` float32, updated cache)."""
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+        return logits[:, -1], cache
+
+    jitted = jax.jit(decode_step, in_shardings=(state_sh, cache_sh, tok_sh), out_shardings=(logits_sh, cache_sh),
+                     donate_argnums=1)
+    args = (abstract_with_shardings(state, state_sh), abstract_with_shardings(cache, cache_sh),
+            jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=tok_sh))
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, devices=None,
+                log=print) -> Result:
+    """Lower and compile ``job`` for its slice; with ``flops``, one more compile without the layer
+    stack gives the step's FLOPs with the loop trip counts applied."""
+    cfg = job.load()
+    tpu = TpuSlice.v5p(job.slice)
+    mesh = make_mesh(job.mesh, tpu.devices() if devices is None else devices)
+    base = dict(job=job, mesh_shape={a: mesh.shape[a] for a in MESH_AXES if mesh.shape[a] > 1},
+                num_devices=mesh.size, hbm_bytes=tpu.hbm_bytes)
+    lower = _lower_train if job.mode == "train" else _lower_decode
+    t0 = time.perf_counter()
+    try:
+        lowered = lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len)
+        log(f"  lowered in {time.perf_counter() - t0:.0f} s; compiling")
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is a result
+        if not _OOM.search(str(e)):
+            raise
+        log("  " + "\n  ".join(str(e).splitlines()[:OOM_DETAIL_LINES]))  # the largest allocations
+        return Result(**base, compile_seconds=time.perf_counter() - t0, error=_oom_summary(e))
+    seconds = time.perf_counter() - t0
+    per_device = _flops(compiled)
+    result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
+    del compiled, lowered
+    n_active = count_params(cfg.model)["active"]
+    model_flops = (6 if job.mode == "train" else 2) * n_active * result.tokens
+    step_flops = per_device * mesh.size
+    groups = abstract_model(cfg.model).plan.num_groups
+    if flops and groups > 1:
+        log(f"  {groups} scanned groups: compiling the baseline without them for the per-group FLOPs")
+        group_lower = _lower_loss_grad if job.mode == "train" else _lower_decode
+        with_stack = group_lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len).compile()
+        f_with = _flops(with_stack)
+        del with_stack
+        f_without = _flops(group_lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, job.batch,
+                                       job.seq_len).compile())
+        step_flops = (per_device + (groups - 1) * (f_with - f_without)) * mesh.size
+    return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def _mesh_str(shape: dict) -> str:
+    return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) or "1 device"
+
+
+TABLE_HEADER = ("| config | program | slice (devices) | mesh | global batch | argument GiB | output GiB | "
+                "temp GiB | total GiB / HBM | fits | FLOPs/step | model FLOPs | ratio | compile s |")
+
+
+def table(results: list[Result]) -> str:
+    """A Markdown table of per-device memory and step FLOPs."""
+    rows = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for r in results:
+        j = r.job
+        what = (f"train {j.batch} x {j.seq_len}" if j.mode == "train" else f"decode {j.batch} x 1 @ {j.seq_len:,} ctx")
+        if j.note:
+            what += f" ({j.note})"
+        if r.error:
+            mem = f"| – | – | – | {r.error} | no |"
+        else:
+            mem = (f"| {_gib(r.argument_bytes)} | {_gib(r.output_bytes - r.alias_bytes)} | {_gib(r.temp_bytes)} | "
+                   f"{_gib(r.total_bytes)} / {_gib(r.hbm_bytes)} | {'yes' if r.fits else 'no'} |")
+        fl = (f"{r.step_flops:.3e} | {r.model_flops:.3e} | {r.flops_ratio:.2f}" if r.step_flops else "– | – | –")
+        rows.append(f"| {j.config} | {what} | {j.slice} ({r.num_devices}) | {_mesh_str(r.mesh_shape)} | "
+                    f"{j.batch} {mem} {fl} | {r.compile_seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def _parse_mesh(text: str) -> MeshConfig:
+    sizes = {a: 1 for a in MESH_AXES}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes:
+            raise SystemExit(f"--mesh: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
+        sizes[name] = int(value)
+    return MeshConfig(**sizes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="config name or path (default: run the PLAN)")
+    ap.add_argument("--mode", choices=("train", "decode"), default="train")
+    ap.add_argument("--slice", default="v5p-1024", help=f"one of {', '.join(V5P_SHAPES)}")
+    ap.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=8,expert=64 (unlisted axes: 1)")
+    ap.add_argument("--batch", type=int, help="global rows (default: one per device for train, 1 for decode)")
+    ap.add_argument("--seq-len", type=int, help="train: tokens per row (default train.seq_len); decode: context")
+    ap.add_argument("--no-flops", action="store_true", help="skip the extra compile for the per-group FLOPs")
+    ap.add_argument("--write", metavar="PATH", help="also write the table to this Markdown file")
+    ap.add_argument("--xla-dump", metavar="DIR", help="write XLA's dumps there (per program: the optimized HLO and "
+                    "*memory-usage-report.txt, the largest buffers; written even when the program does not fit)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
+    args = ap.parse_args(argv)
+    if args.xla_dump:  # read when the first backend starts, which has not happened yet
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.xla_dump}".strip()
+    if args.config:
+        cfg = load_config(args.config, args.overrides)
+        mesh = _parse_mesh(args.mesh)
+        devices = TpuSlice.v5p(args.slice).num_devices
+        batch = args.batch or (devices if args.mode == "train" else 1)
+        seq = args.seq_len or (cfg.train.seq_len if args.mode == "train" else cfg.model.max_seq_len)
+        jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides))]
+    else:
+        jobs = list(PLAN)
+    results = []
+    for job in jobs:
+        print(f"{job.config} {job.mode} on {job.slice} ({_mesh_str(dataclasses.asdict(job.mesh))}):", flush=True)
+        r = compile_job(job, flops=not args.no_flops, log=lambda s: print(s, flush=True))
+        print(f"  {'fits' if r.fits else 'DOES NOT FIT'}: {_gib(r.total_bytes)} GiB of {_gib(r.hbm_bytes)}"
+              f"{' (' + r.error + ')' if r.error else ''}; {r.compile_seconds:.0f} s", flush=True)
+        results.append(r)
+    text = table(results)
+    print(text)
+    if args.write:
+        pathlib.Path(args.write).write_text(text + "\n")
+    sys.exit(0 if all(r.fits for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Expert parallelism: the routed experts sharded over the ``expert`` mesh axis, tokens exchanged in
+the latent width inside ``jax.shard_map``, dropless by default.
+
+The router, the down-projection into the latent width and the Quantile Balancing statistics stay
+outside (plain GSPMD: the statistics of a token-sharded batch are global arrays, so the histogram
+sum is an all-reduce XLA inserts). :func:`expert_parallel_experts` gets the latent tokens ``z``, the
+routing and the expert weights, and returns the weighted expert sum ``u = sum_i p_i E_i(z)`` of
+every token, summed across devices before the caller's latent RMSNorm.
+
+Inside the ``shard_map`` the flattened tokens are split over every mesh axis that divides their
+count (each device owns distinct tokens), the experts over ``expert`` (each device holds
+``E_l = E / ep`` of them). Token exchange over ``expert``, chosen by ``moe.ep_dispatch``:
+
+- ``ragged_all_to_all`` (TPU / GPU): each device sorts its (token, expert) pairs by expert, hence by
+  owning device, sends each device exactly its rows with ``jax.lax.ragged_all_to_all``, runs its
+  experts over what it received (``ragged_dot``) and sends the results back the same way. The
+  receive buffer is sized for the worst case, ``ep * n * min(k, E_l)`` rows for ``n`` local tokens
+  (every pair of every device landing on one device), so nothing is ever dropped.
+- ``all_to_all``: the same exchange, with the ragged collective emulated by a dense
+  ``jax.lax.all_to_all`` of per-destination blocks padded to the worst case. It runs everywhere
+  (XLA:CPU has no ``ragged-all-to-all``), so CPU tests check the offsets and regrouping the ragged
+  path relies on; it moves ``ep`` times the data.
+- ``all_gather`` (the CPU default): every device gathers the tokens of its ``expert`` group, runs
+  its own experts on the pairs routed to them and the partial sums are reduce-scattered back
+  (``psum_scatter``), which is exactly the cross-device sum before the RMSNorm.
+- ``auto``: ``ragged_all_to_all`` when the mesh's devices are TPUs or GPUs, else ``all_gather``.
+
+Static shapes force the receive buffers (and the rows each device runs through its experts) to a
+size fixed at trace time. By default it is the worst case, so no pair is ever dropped; that is
+``ep * min(k, E_l)`` times the fair share ``n * k`` and dominates memory at large ``ep``.
+``moe.ep_capacity_factor = c > 0`` caps it at ``c * n * k`` rows and drops the pairs past it
+(GShard-style capacity, not dropless).
+
+When the tokens cannot be split over ``expert`` (fewer tokens than devices, e.g. one decode token),
+every device of an ``expert`` group holds the same tokens: each runs its own experts and the partial
+sums are ``psum``-ed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.moe import grouped_glu_experts, ragged_glu
+from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, platform, spec_entry, split_axes
+
+DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
+
+
+def resolve_dispatch(dispatch: str, mesh) -> str:
+    """``auto`` -> the backend's exchange (the mesh's platform, which AOT compiles set to TPU)."""
+    if dispatch == "auto":
+        return "ragged_all_to_all" if platform(mesh) in ("tpu", "gpu") else "all_gather"
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"unknown expert-parallel dispatch {dispatch!r}; expected auto or one of {DISPATCH_MODES}")
+    return dispatch
+
+
+def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                            w_up: jax.Array, w_down: jax.Array, *, activation: str, beta: float = 4.0,
+                            linear_beta: float = 25.0, dispatch: str = "auto", capacity_factor: float = 0.0,
+                            mesh=None, act_quant=None) -> jax.Array:
+    """Weighted routed-expert sum over the current mesh.
+
+    z ``[N, L]`` latent tokens, experts ``[N, k]`` int32, weights ``[N, k]`` float32, w_gate / w_up
+    ``[E, L, F]``, w_down ``[E, F, L]`` -> u ``[N, L]`` float32, equal to
+    ``einsum('nk,nkl->nl', weights, grouped_glu_experts(z, experts, ...))``. ``act_quant``: see
+    ``ragged_glu`` (the expert matmuls' input quantizer, per row). ``capacity_factor``: 0 = dropless
+    (buffers for the worst case); c > 0 = each device computes at most ``c * n * k`` pairs for its
+    ``n`` tokens' fair share and drops the rest (``moe.ep_capacity_factor``).
+    """
+    mesh = current_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise ValueError("expert_parallel_experts needs a mesh (jax.set_mesh)")
+    n = z.shape[0]
+    ep = axis_size(mesh, EXPERT_AXIS)
+    if w_gate.shape[0] % ep:
+        raise ValueError(f"{w_gate.shape[0]} experts do not split over expert axis of size {ep}")
+    token_axes = split_axes(mesh, mesh.axis_names, n)
+    tokens = P(spec_entry(token_axes), None)
+    expert_spec = P(EXPERT_AXIS if ep > 1 else None, None, None)
+    body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta,
+                             dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
+                             capacity_factor=capacity_factor,
+                             tokens_split=EXPERT_AXIS in token_axes)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
+                         out_specs=tokens)(z, experts, weights, w_gate, w_up, w_down)
+
+
+def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, linear_beta, dispatch, ep,
+                tokens_split, capacity_factor, act_quant=None):
+    """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` -> u ``[n, L]`` float32."""
+    glu = functools.partial(ragged_glu, w_gate=w_gate, w_up=w_up, w_down=w_down, activation=activation,
+                            beta=beta, linear_beta=linear_beta, act_quant=act_quant)
+    if ep == 1:  # every expert is local: the single-device computation on this device's tokens
+        pair_out = grouped_glu_experts(z, experts, w_gate, w_up, w_down, activation=activation, beta=beta,
+                                       linear_beta=linear_beta, act_quant=act_quant)
+        return _combine(weights, pair_out)
+    if tokens_split and dispatch in ("ragged_all_to_all", "all_to_all"):
+        exchange = jax.lax.ragged_all_to_all if dispatch == "ragged_all_to_all" else dense_ragged_all_to_all
+        return _exchange_experts(z, experts, weights, glu, w_gate.shape[0], ep, exchange, capacity_factor)
+    return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor)
+
+
+def _combine(weights, pair_out):
+    """``u = sum_i p_i E_i(z)`` in float32: weights ``[n, k]``, pair_out ``[n, k, L]`` -> ``[n, L]``."""
+    return jnp.einsum("nk,nkl->nl", weights, pair_out.astype(jnp.float32))
+
+
+def _exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _masked_glu(glu, rows, local_expert, num_local):
+    """Run ``rows [R, L]`` through their local expert ``local_expert [R]`` (``num_local`` = none) ->
+    ``[R, L]`` in the input order, zeros for rows of no local expert."""
+    order = jnp.argsort(local_expert, stable=True)
+    group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
+    ys = glu(jnp.take(rows, order, axis=0), group_sizes)
+    ys = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
+    return jnp.take(ys, jnp.argsort(order), axis=0)
+
+
+def capacity_rows(fair_share: int, worst_case: int, capacity_factor: float) -> int:
+    """Rows a device reserves for the pairs it computes: the worst case (dropless) when
+    ``capacity_factor`` is 0, else ``ceil(capacity_factor * fair_share)`` (at most the worst case)."""
+    if capacity_factor <= 0:
+        return worst_case
+    return max(1, min(worst_case, math.ceil(capacity_factor * fair_share)))
+
+
+def _keep_prefix(counts, keep):
+    """Truncate runs ``counts [..., R]`` (laid out in order) to their first ``keep [...]`` rows."""
+    ends = jnp.minimum(jnp.cumsum(counts, axis=-1), keep[..., None])
+    return ends - jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
+
+
+def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacity_factor):
+    """Send every (token, expert) pair to the device owning the expert and the result back.
+
+    z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32. ``exchange`` has the signature
+    and semantics of ``jax.lax.ragged_all_to_all`` over the ``expert`` axis.
+    """
+    n, k = experts.shape
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
+    sent = jnp.take(z, order // k, axis=0)  # [n*k, L]
+    counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
+    # pairs[src, dst, e]: pairs device src sends to local expert e of device dst
+    pairs = jax.lax.all_gather(counts, EXPERT_AXIS).reshape(ep, ep, num_local)
+    sizes = jnp.sum(pairs, axis=-1)  # [src, dst]
+    # worst case: every pair of every device lands on one device (a token's k experts are distinct)
+    capacity = capacity_rows(n * k, ep * n * min(k, num_local), capacity_factor)
+    # the receive buffer holds the chunks of src 0, 1, ... in order, each sorted by expert; what does
+    # not fit is not sent (only with a capacity factor: dropped pairs contribute nothing)
+    offsets = jnp.minimum(_exclusive_cumsum(sizes, axis=0), capacity)  # [src, dst] chunk start on dst
+    kept = jnp.minimum(sizes, capacity - offsets)  # [src, dst]
+    send_offsets = _exclusive_cumsum(sizes[me])  # chunk starts in my sorted pairs
+    # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
+    buffer = jnp.zeros_like(sent, shape=(capacity, sent.shape[1]))
+    received = exchange(sent, buffer, send_offsets, kept[me], offsets[me], kept[:, me], axis_name=EXPERT_AXIS)
+    # local expert of each received row: rows are runs of (src, e) in that order
+    run_ends = jnp.cumsum(_keep_prefix(pairs[:, me], kept[:, me]).reshape(-1))  # [ep * E_l]
+    run = jnp.searchsorted(run_ends, jnp.arange(capacity, dtype=run_ends.dtype), side="right")
+    local_expert = jnp.where(run < ep * num_local, run % num_local, num_local)
+    results = _masked_glu(glu, received, local_expert, num_local)
+    # back to the senders, each chunk to where it came from in the sender's sorted order
+    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), offsets[:, me], kept[:, me],
+                        _exclusive_cumsum(sizes, axis=1)[:, me], kept[me], axis_name=EXPERT_AXIS)
+    pair_out = jnp.take(returned, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    return _combine(weights, pair_out)
+
+
+def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, capacity_factor):
+    """Every device of an ``expert`` group sees the group's tokens and applies its own experts; the
+    partial sums are reduced (and scattered back to the tokens' owners when they were split).
+
+    z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32.
+    """
+    if tokens_split:
+        z, experts, weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (z, experts, weights))
+    else:
+        # Replicated tokens are gathered below with indices that differ per device; typed as
+        # invariant, jax 0.10.2 transposes that gather wrongly (the gradient lands on the wrong
+        # rows), so they are made device-varying explicitly (the cotangent is then psum-ed).
+        z = jax.lax.pcast(z, EXPERT_AXIS, to="varying")
+    m, k = experts.shape
+    first = jax.lax.axis_index(EXPERT_AXIS) * num_local
+    local = experts.reshape(-1) - first
+    is_local = (local >= 0) & (local < num_local)
+    local_expert = jnp.where(is_local, local, num_local)
+    # only the local pairs are computed: at most min(k, E_l) per token, m * k / ep on average
+    rows = capacity_rows(-(-m * k // ep), m * min(k, num_local), capacity_factor)
+    order = jnp.argsort(local_expert, stable=True)[:rows]
+    group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
+    group_sizes = _keep_prefix(group_sizes, jnp.int32(rows))  # pairs past the capacity are dropped
+    ys = glu(jnp.take(z, order // k, axis=0), group_sizes)
+    ys = jnp.where((jnp.arange(rows) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
+    pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
+    partial = _combine(weights, pair_out)
+    if tokens_split:
+        return jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(partial, EXPERT_AXIS)
+
+
+def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` (one slice per peer) from a dense ``jax.lax.all_to_all``.
+
+    Each peer's slice is copied into a block padded to ``min(len(operand), len(output))`` rows (no
+    slice can be longer), the blocks are exchanged, and each received block is written at its offset.
+    operand ``[M, ...]``, output ``[R, ...]``, offsets and sizes ``[ep]`` int -> ``[R, ...]``.
+    """
+    cap = min(operand.shape[0], output.shape[0])
+    rows = jnp.arange(cap, dtype=input_offsets.dtype)
+    take_rows = jnp.clip(input_offsets[:, None] + rows, 0, operand.shape[0] - 1)  # [ep, cap]
+    keep = (rows < send_sizes[:, None]).reshape(take_rows.shape + (1,) * (operand.ndim - 1))
+    blocks = jnp.where(keep, jnp.take(operand, take_rows, axis=0), jnp.zeros((), operand.dtype))
+    received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [ep, cap, ...]: block i from peer i
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where peer i's slice lands here
+    put_rows = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, output.shape[0])  # past the end: dropped
+    return output.at[put_rows.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")

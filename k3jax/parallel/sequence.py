@@ -1,0 +1,191 @@
+"""Sequence (context) parallelism: the time axis split over the ``sequence`` mesh axis, for the three
+ops that mix tokens (everything else in the model is per token and stays plain GSPMD).
+
+- **Short conv** (:func:`causal_conv1d`): each shard receives the last ``W - 1`` inputs (and their
+  segment ids) of the previous shard with one ``ppermute`` and convolves its extended window, so
+  the window and its document resets cross shard boundaries exactly.
+- **KDA** (:func:`chunk_kda`): the recurrence ``S <- A_t S + b_t`` is affine in the state, so a shard
+  summarises its whole slice as ``S_out = M S_in + S_loc`` (``M [K, K]`` per head) and its outputs as
+  ``o = o_loc + P S_in`` (``P [T, K]`` per head). Both come from one ``chunk_kda`` pass whose value
+  width is augmented with an identity block: values ``[0 | v]`` from the state ``[I | 0]`` give
+  ``o = [P | o_loc]`` and the final state ``[M | S_loc]`` (about twice the state work of a plain
+  pass). The ``[M | S_loc]`` of all shards are all-gathered, each shard folds those of the shards
+  before it in order to get its incoming state (resetting it where a document starts exactly at a
+  shard boundary), and finishes ``o = o_loc + P S_in`` locally.
+- **MLA** (:func:`mla_attention`): each shard all-gathers the compressed KV (``c_kv | k_rope``,
+  576 values per token for K3) and the segment ids, expands it to keys and values, and attends with
+  its local queries under the causal mask of global positions.
+
+Inside the ``shard_map`` the batch splits over the data-like axes that divide it and the heads over
+``tensor`` when they divide; the other axes hold replicas.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops import conv as conv_ops
+from k3jax.ops import kda as kda_ops
+from k3jax.parallel.context import (BATCH_AXES, SEQUENCE_AXIS, TENSOR_AXIS, axis_size, current_mesh,
+                                    spec_entry, split_axes)
+
+# The KDA state fold runs in full float32 precision, like chunk_kda's own matmuls.
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None) -> int:
+    """Number of sequence shards a ``[B, seq_len, ...]`` activation runs on under the current mesh:
+    the ``sequence`` axis size when it divides ``seq_len`` into shards of at least ``min_shard_len``
+    tokens, else 1 (the single-device path, partitioned by GSPMD)."""
+    mesh = current_mesh() if mesh is None else mesh
+    sp = axis_size(mesh, SEQUENCE_AXIS)
+    if sp > 1 and seq_len % sp == 0 and seq_len // sp >= min_shard_len:
+        return sp
+    return 1
+
+
+def _specs(mesh, batch: int, heads: int):
+    """(batch entry, heads entry) of the PartitionSpecs inside the shard_map."""
+    return spec_entry(split_axes(mesh, BATCH_AXES, batch)), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
+
+
+# --------------------------------------------------------------------------------------- short conv
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+    """``k3jax.ops.conv.causal_conv1d`` (no cache) with the time axis over ``sequence``.
+
+    x ``[B, T, C]``, weight ``[W, C]``, segment_ids ``[B, T]`` or None -> y ``[B, T, C]``.
+    """
+    mesh = current_mesh()
+    halo = weight.shape[0] - 1
+    sp = sequence_shards(x.shape[1], halo, mesh)
+    b_entry, c_entry = _specs(mesh, x.shape[0], x.shape[2])
+    act, w_spec, seg_spec = P(b_entry, SEQUENCE_AXIS, c_entry), P(None, c_entry), P(b_entry, SEQUENCE_AXIS)
+    body = functools.partial(_conv_body, halo=halo, sp=sp)
+    if segment_ids is None:
+        return jax.shard_map(lambda x, w: body(x, w, None), mesh=mesh, in_specs=(act, w_spec),
+                             out_specs=act)(x, weight)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act, w_spec, seg_spec), out_specs=act)(x, weight, segment_ids)
+
+
+def _conv_body(x, weight, segment_ids, *, halo, sp):
+    """One shard: x ``[B, t, C]`` -> ``[B, t, C]``, with the previous shard's last ``halo`` inputs."""
+    if halo == 0:
+        return conv_ops.causal_conv1d(x, weight, segment_ids=segment_ids)[0]
+    to_next = [(i, i + 1) for i in range(sp - 1)]  # shard 0 receives zeros: the sequence start
+    x_ext = jnp.concatenate([jax.lax.ppermute(x[:, -halo:], SEQUENCE_AXIS, to_next), x], axis=1)
+    seg_ext = None
+    if segment_ids is not None:  # the halo keeps its own ids, so a document start resets the window
+        seg_ext = jnp.concatenate([jax.lax.ppermute(segment_ids[:, -halo:], SEQUENCE_AXIS, to_next), segment_ids],
+                                  axis=1)
+    y, _ = conv_ops.causal_conv1d(x_ext, weight, segment_ids=seg_ext)
+    return y[:, halo:]
+
+
+# ---------------------------------------------------------------------------------------------- KDA
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, chunk_size=64, segment_ids=None, chunk_fn=None) -> jax.Array:
+    """``k3jax.ops.kda.chunk_kda`` (zero initial state, no final state) with the time axis over
+    ``sequence``.
+
+    q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, segment_ids ``[B, T]`` or None ->
+    o ``[B, T, H, V]`` in v's dtype. ``chunk_fn``: the per-shard chunkwise KDA (same signature as
+    ``k3jax.ops.kda.chunk_kda``, e.g. a Pallas kernel); default the pure-JAX op.
+    """
+    mesh = current_mesh()
+    sp = sequence_shards(q.shape[1], 1, mesh)
+    b_entry, h_entry = _specs(mesh, q.shape[0], q.shape[2])
+    act, gate = P(b_entry, SEQUENCE_AXIS, h_entry, None), P(b_entry, SEQUENCE_AXIS, h_entry)
+    seg_spec = P(b_entry, SEQUENCE_AXIS)
+    body = functools.partial(_kda_body, scale=scale, chunk_size=chunk_size, sp=sp,
+                             chunk_fn=kda_ops.chunk_kda if chunk_fn is None else chunk_fn)
+    if segment_ids is None:
+        return jax.shard_map(lambda *a: body(*a, None), mesh=mesh, in_specs=(act, act, act, act, gate),
+                             out_specs=act)(q, k, v, g, beta)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act, act, act, act, gate, seg_spec),
+                         out_specs=act)(q, k, v, g, beta, segment_ids)
+
+
+def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, chunk_fn):
+    """One shard: q, k, g ``[B, t, H, K]``, v ``[B, t, H, V]``, beta ``[B, t, H]`` -> o ``[B, t, H, V]``."""
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    dtype = jnp.result_type(jnp.float32, q, k, v, g, beta)
+    # values [0 | v] from the state [I | 0]: o = [P | o_loc], final state = [M | S_loc]
+    v_aug = jnp.concatenate([jnp.zeros_like(v, dtype, shape=v.shape[:3] + (dk,)), v.astype(dtype)], axis=-1)
+    identity = jnp.concatenate([jnp.eye(dk, dtype=dtype), jnp.zeros((dk, dv), dtype)], axis=-1)
+    # zeros_like gives the state the inputs' device-varying type (chunk_kda's scan carry needs it)
+    initial = jnp.zeros_like(v_aug, shape=(b, h, dk, dk + dv)) + identity
+    o_aug, final = chunk_fn(q, k, v_aug, g, beta, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
+                            output_final_state=True, initial_state=initial)
+    read, o_local = o_aug[..., :dk], o_aug[..., dk:]  # [B, t, H, K], [B, t, H, V]
+    # every shard's affine summary [sp, B, H, K, K + V], in sequence order
+    summaries = jax.lax.all_gather(final, SEQUENCE_AXIS)
+    if segment_ids is None:
+        starts_doc = jnp.zeros((sp, b), bool)
+    else:  # shard i starts a new document when its first id differs from shard i-1's last id
+        firsts = jax.lax.all_gather(segment_ids[:, 0], SEQUENCE_AXIS)  # [sp, B]
+        lasts = jax.lax.all_gather(segment_ids[:, -1], SEQUENCE_AXIS)
+        starts_doc = jnp.concatenate([jnp.zeros((1, b), bool), firsts[1:] != lasts[:-1]], axis=0)
+    me = jax.lax.axis_index(SEQUENCE_AXIS)
+
+    def fold(state, xs):
+        """state entering shard i -> entering shard i + 1; frozen from i = this shard on."""
+        i, summary, next_starts_doc = xs
+        out = jnp.einsum("bhkj,bhjv->bhkv", summary[..., :dk], state, precision=_PRECISION) + summary[..., dk:]
+        out = jnp.where(next_starts_doc[:, None, None, None], jnp.zeros((), dtype), out)
+        return jnp.where(i < me, out, state), None
+
+    next_starts_doc = jnp.concatenate([starts_doc[1:], jnp.zeros((1, b), bool)], axis=0)
+    # zeros_like keeps the device-varying type the scan carry ends up with
+    incoming, _ = jax.lax.scan(fold, jnp.zeros_like(final[..., dk:]),
+                               (jnp.arange(sp), summaries, next_starts_doc))
+    o = o_local + jnp.einsum("bthk,bhkv->bthv", read, incoming, precision=_PRECISION)
+    return o.astype(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+
+# attend(q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b) -> o
+Attend = Callable[..., jax.Array]
+
+
+def mla_attention(attend: Attend, q: jax.Array, kv_latent: jax.Array, segment_ids: jax.Array | None,
+                  kv_b: jax.Array) -> jax.Array:
+    """MLA's training attention with the time axis over ``sequence``: the compressed KV is gathered.
+
+    q ``[B, T, H, P]``, kv_latent ``[B, T, r + R]`` (normalised ``c_kv`` | ``k_rope``), segment_ids
+    ``[B, T]`` or None, kv_b ``[r, H, nope + v]``. ``attend`` is the layer's expanded attention
+    (``[B, t, H, P]`` queries over ``[B, S, r + R]`` latents with ``[B, t]`` / ``[B, S]`` positions and
+    segment ids); returns ``[B, T, H, v]``.
+    """
+    mesh = current_mesh()
+    sp = sequence_shards(q.shape[1], 1, mesh)
+    b_entry, h_entry = _specs(mesh, q.shape[0], q.shape[2])
+    q_spec, lat_spec = P(b_entry, SEQUENCE_AXIS, h_entry, None), P(b_entry, SEQUENCE_AXIS, None)
+    seg_spec, kv_b_spec = P(b_entry, SEQUENCE_AXIS), P(None, h_entry, None)
+    body = functools.partial(_mla_body, attend=attend, sp=sp)
+    if segment_ids is None:
+        return jax.shard_map(lambda q, lat, w: body(q, lat, None, w), mesh=mesh,
+                             in_specs=(q_spec, lat_spec, kv_b_spec), out_specs=q_spec)(q, kv_latent, kv_b)
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, lat_spec, seg_spec, kv_b_spec),
+                         out_specs=q_spec)(q, kv_latent, segment_ids, kv_b)
+
+
+def _mla_body(q, kv_latent, segment_ids, kv_b, *, attend, sp):
+    """One shard: local queries ``[B, t, H, P]`` over the whole sequence's gathered latents."""
+    b, t = q.shape[:2]
+    latent_all = jax.lax.all_gather(kv_latent, SEQUENCE_AXIS, axis=1, tiled=True)  # [B, sp*t, r+R]
+    q_index = jax.lax.axis_index(SEQUENCE_AXIS) * t + jnp.arange(t, dtype=jnp.int32)
+    q_index = jnp.broadcast_to(q_index, (b, t))
+    kv_index = jnp.broadcast_to(jnp.arange(sp * t, dtype=jnp.int32), (b, sp * t))
+    kv_segment_ids = None if segment_ids is None else jax.lax.all_gather(segment_ids, SEQUENCE_AXIS, axis=1,
+                                                                         tiled=True)
+    return attend(q, latent_all, q_index, kv_index, segment_ids, kv_segment_ids, kv_b)

@@ -1,0 +1,20 @@
+"""Microscaling quantization (MXFP4 weights, MXFP8 activations) for K3's routed experts.
+
+- ``formats``: the OCP MX element / scale formats and the scale rules;
+- ``mx``: the JAX block quantizer (integer arithmetic on IEEE bits: identical bytes on every backend);
+- ``mxfp4`` / ``mxfp8``: the public quantize / dequantize / fake-quantize functions;
+- ``ste``: the straight-through estimator used by quantization-aware training;
+- ``experts``: what the MoE layer calls (QAT fake quantization, on-the-fly dequantization);
+- ``packed``: packed MXFP4 weights as model state (deployment); ``deploy``: dense -> packed models
+  and the memory of packed experts.
+
+docs/quantization.md describes the whole picture.
+"""
+
+from k3jax.quant.formats import DEFAULT_SCALE_RULE, SCALE_RULES
+from k3jax.quant.mxfp4 import dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4
+from k3jax.quant.mxfp8 import dequantize_mxfp8, fake_quantize_mxfp8, quantize_mxfp8
+from k3jax.quant.ste import straight_through
+
+__all__ = ["DEFAULT_SCALE_RULE", "SCALE_RULES", "dequantize_mxfp4", "dequantize_mxfp8", "fake_quantize_mxfp4",
+           "fake_quantize_mxfp8", "quantize_mxfp4", "quantize_mxfp8", "straight_through"]

@@ -1,0 +1,73 @@
+"""What the MoE layer calls to quantize its routed experts, driven by ``model.quant`` (QuantConfig).
+
+- :func:`expert_param` creates a routed-expert weight ``(E, in, out)``: a dense ``nnx.Param``, or
+  with ``experts: mxfp4`` an :class:`~k3jax.quant.packed.MXFP4Weight`.
+- :func:`expert_weight` gives the weight the expert matmuls use, in the compute dtype: a packed
+  weight dequantized on the fly; with ``experts: mxfp4_qat`` the dense master weight's MXFP4 values
+  (fake quantization, blocks along ``in``) with a straight-through gradient; else the cast weight.
+- :func:`activation_quantizer` gives the MXFP8 fake quantizer of the expert matmuls' inputs
+  (``activations: mxfp8``; blocks along the last, contraction axis; straight-through), or None.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from k3jax.config import QuantConfig
+from k3jax.layers.initializers import normal
+from k3jax.quant.mxfp4 import fake_quantize_mxfp4
+from k3jax.quant.mxfp8 import fake_quantize_mxfp8
+from k3jax.quant.packed import MXFP4Weight
+from k3jax.quant.ste import straight_through
+
+# Routed-expert weights are (E, in, out): the MX blocks run along `in`, the contraction axis.
+_IN_AXIS = -2
+
+
+def expert_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, dtype,
+                 quant: QuantConfig) -> nnx.Param | MXFP4Weight:
+    """A routed-expert weight ``(E, in, out)`` ~ N(0, std): dense, or packed MXFP4 for deployment
+    (the same random draw, quantized with ``quant.scale_rule``)."""
+    dense = normal(rngs, shape, axes, std, dtype)
+    if quant.experts != "mxfp4":
+        return dense
+    value = dense.get_raw_value()
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return MXFP4Weight.abstract(shape, axes)
+    return MXFP4Weight.from_dense(value, axes, rule=quant.scale_rule)
+
+
+@functools.lru_cache(maxsize=None)
+def _qat_weight(rule: str) -> Callable[[jax.Array], jax.Array]:
+    return straight_through(functools.partial(fake_quantize_mxfp4, rule=rule, axis=_IN_AXIS))
+
+
+@functools.lru_cache(maxsize=None)
+def _qat_activation(rule: str) -> Callable[[jax.Array], jax.Array]:
+    return straight_through(functools.partial(fake_quantize_mxfp8, rule=rule, axis=-1))
+
+
+def expert_weight(w: nnx.Variable | MXFP4Weight, dtype, quant: QuantConfig) -> jax.Array:
+    """The routed-expert weight ``(E, in, out)`` the expert matmuls use, in ``dtype``."""
+    if isinstance(w, MXFP4Weight):
+        return w.dequantize(dtype)
+    x = w[...]
+    if quant.experts == "mxfp4_qat":
+        # quantized from the master weight's own precision; MXFP4 values are exact in bfloat16
+        x = _qat_weight(quant.scale_rule)(x)
+    return x.astype(dtype)
+
+
+def activation_quantizer(quant: QuantConfig) -> Callable[[jax.Array], jax.Array] | None:
+    """MXFP8 fake quantization (with a straight-through gradient) of an expert matmul's input
+    ``[..., in]``, or None when activations are not quantized."""
+    if quant.activations == "none":
+        return None
+    return _qat_activation(quant.activation_scale_rule)
+
+
+__all__ = ["activation_quantizer", "expert_param", "expert_weight"]

@@ -1,0 +1,150 @@
+"""Expert parallelism (k3jax/parallel/expert.py) on 8 fake CPU devices: every token exchange that runs
+on CPU equals the single-device dropless experts, forward and backward; the ragged_all_to_all path
+(TPU / GPU only) is compiled for a TPU topology.
+
+The 8-device checks run in a subprocess: the device count must be set before JAX starts, and the rest
+of the suite runs on one device.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType
+    jax.config.update("jax_disable_most_optimizations", True)  # compile time; values are unchanged
+    from k3jax.ops.moe import grouped_glu_experts, sigmoid_topk_route
+    from k3jax.parallel.expert import dense_ragged_all_to_all, expert_parallel_experts
+
+    # dense_ragged_all_to_all reproduces the example of jax.lax.ragged_all_to_all's docstring
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=(AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    args = [jnp.array([1, 2, 2, 3, 4, 0]), jnp.zeros(8, jnp.int32), jnp.array([0, 1, 0, 1]),
+            jnp.array([1, 2, 1, 1]), jnp.array([0, 0, 1, 2]), jnp.array([1, 1, 2, 1])]
+    f = jax.shard_map(lambda *a: dense_ragged_all_to_all(*a, axis_name="expert"), mesh=mesh,
+                      in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    with jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(f)(*args))
+    assert got.tolist() == [1, 3, 0, 0, 2, 2, 4, 0], got
+
+    rng = np.random.default_rng(0)
+    N, L, F, E, K = 64, 16, 24, 8, 3
+    z = jnp.asarray(rng.normal(size=(N, L)), jnp.float32)
+    route = sigmoid_topk_route(jnp.asarray(rng.normal(size=(N, E)), jnp.float32), None, K)
+    w_gate, w_up = (jnp.asarray(rng.normal(size=(E, L, F)) * 0.3, jnp.float32) for _ in range(2))
+    w_down = jnp.asarray(rng.normal(size=(E, F, L)) * 0.3, jnp.float32)
+    params = (z, route.weights, w_gate, w_up, w_down)
+
+    def loss(fn, n):
+        def f(z, weights, w_gate, w_up, w_down):
+            u = fn(z[:n], route.experts[:n], weights[:n], w_gate, w_up, w_down)
+            return jnp.sum(jnp.sin(u)), u
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    def single(z, experts, weights, w_gate, w_up, w_down):
+        pair_out = grouped_glu_experts(z, experts, w_gate, w_up, w_down, activation="situ_glu")
+        return jnp.einsum("nk,nkl->nl", weights, pair_out)
+
+    def rel(a, b):
+        return max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(jax.tree.leaves(a),
+                                                                                        jax.tree.leaves(b)))
+
+    worst = 0.0
+    # 3 tokens cannot be split over the devices: replicated over `expert`, partial sums psum-ed
+    cases = [(N, (8,), ("expert",)), (N, (2, 2, 2), ("data", "expert", "sequence")), (3, (2, 4), ("data", "expert"))]
+    for n, shape, names in cases:
+        (_, ref), ref_grads = loss(single, n)(*params)
+        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+        for mode in ("all_to_all", "all_gather"):
+            fn = lambda *a: expert_parallel_experts(*a, activation="situ_glu", dispatch=mode)
+            with jax.set_mesh(mesh):
+                (_, out), grads = loss(fn, n)(*params)
+            err = max(rel(out, ref), rel(grads, ref_grads))
+            assert err < 1e-5, (n, names, mode, err)
+            worst = max(worst, err)
+
+    # With a capacity factor a device computes at most c * n * k pairs; the overflow is dropped, and
+    # exactly the pairs the exchange's layout puts past the capacity are missing from u.
+    ep, factor = 4, 1.0
+    n, num_local = N // ep, E // ep
+    capacity = int(np.ceil(factor * n * K))
+    experts = np.asarray(route.experts)
+    kept = {"all_to_all": np.zeros((N, K), bool), "all_gather": np.zeros((N, K), bool)}
+    for dst in range(ep):
+        start = 0  # receive buffer: chunks of src 0, 1, ..., each sorted by expert
+        for src in range(ep):
+            flat = experts[src * n:(src + 1) * n].reshape(-1)
+            mine = [p for p in np.argsort(flat, kind="stable") if flat[p] // num_local == dst]
+            for j, p in enumerate(mine):
+                kept["all_to_all"][src * n + p // K, p % K] = start + j < capacity
+            start += len(mine)
+        flat = experts.reshape(-1)  # all_gather: every token, local pairs sorted by local expert
+        local = np.where(flat // num_local == dst, flat - dst * num_local, num_local)
+        for p in np.argsort(local, kind="stable")[:capacity]:
+            kept["all_gather"][p // K, p % K] |= local[p] < num_local
+    pair_out = grouped_glu_experts(z, route.experts, w_gate, w_up, w_down, activation="situ_glu")
+    mesh = jax.make_mesh((ep,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+    for mode, keep in kept.items():
+        assert 0 < keep.sum() < N * K, keep.sum()  # some pairs dropped, not all
+        want = jnp.einsum("nk,nkl->nl", route.weights * keep, pair_out)
+        fn = lambda *a: expert_parallel_experts(*a, activation="situ_glu", dispatch=mode, capacity_factor=factor)
+        with jax.set_mesh(mesh):
+            got = jax.jit(fn)(z, route.experts, route.weights, w_gate, w_up, w_down)
+        err = rel(got, want)
+        assert err < 1e-5, (mode, err)
+        worst = max(worst, err)
+    print("OK", worst)
+""")
+
+
+def run_on_8_devices(script: str) -> str:
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_expert_exchanges_match_single_device():
+    print(run_on_8_devices(SCRIPT))
+
+
+@pytest.mark.tpu_aot
+def test_ragged_all_to_all_dispatch_compiles_for_tpu():
+    """The TPU / GPU exchange cannot run on XLA:CPU; compile its forward + backward for a v5p slice."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    pytest.importorskip("libtpu")
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from k3jax.ops.moe import sigmoid_topk_route
+    from k3jax.parallel.expert import expert_parallel_experts
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name="v5:2x2x1", chip_config_name="megacore",
+                                            chips_per_host_bounds=(2, 2, 1), num_slices=1,
+                                            wrap=(False, False, False))
+    except Exception as e:  # libtpu present but unusable on this host
+        pytest.skip(f"no TPU topology from libtpu: {e}")
+    mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=topo.devices)
+    n, latent, width, num_experts, top_k = 256, 128, 256, 16, 4
+
+    def loss(z, logits, w_gate, w_up, w_down):
+        route = sigmoid_topk_route(logits, None, top_k)
+        u = expert_parallel_experts(z, route.experts, route.weights, w_gate, w_up, w_down, activation="situ_glu")
+        return jnp.sum(u * u)
+
+    def arg(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("expert")))
+
+    args = [arg((n, latent)), arg((n, num_experts)), arg((num_experts, latent, width)),
+            arg((num_experts, latent, width)), arg((num_experts, width, latent))]
+    with jax.set_mesh(mesh):  # the mesh's platform is TPU, so "auto" picks ragged_all_to_all
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile()
+    assert "ragged-all-to-all" in compiled.as_text()
