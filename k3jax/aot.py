@@ -23,14 +23,15 @@ size it asked for.
 
 FLOPs: ``compiled.cost_analysis()['flops']`` is per device and counts the body of every loop once
 (a ``lax.scan`` over the K3 layer groups runs 22 times but is counted once). The step's FLOPs are
-therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group`` the FLOPs of one scanned layer
-group measured by compiling the same program without the group stack (``F - F_no_groups``; for
-``train`` the differenced program is the loss and gradient alone, so the optimizer update of the
-stacked weights, which is not inside the loop, is not multiplied). The chunked KDA's inner scan over
-the chunks of a sequence is still counted once per layer (its inter-chunk state recurrence, under 1%
-of a KDA layer's FLOPs, is undercounted). ``6 * N_active * tokens`` (training) and
-``2 * N_active * tokens`` (one decode step) are the model FLOPs; the ratio shows recompute (remat),
-attention, Newton-Schulz and any wasted compute.
+therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group = F - F_no_groups`` measured by
+compiling the same step for the model without its scanned group stack (the optimizer's
+Newton-Schulz of a stacked weight runs under ``lax.map`` over the layers, so it is multiplied
+correctly too; the elementwise optimizer work of the stacked weights, under 0.1%, is over-counted).
+Loops inside a layer are still counted once: the chunked KDA's scan over chunks (its inter-chunk
+state recurrence, under 1% of a KDA layer) and blockwise attention over more than one key block.
+``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
+FLOPs; the ratio shows recompute (remat), attention, routing, the expert-parallel buffers' padding
+and the optimizer; the Newton-Schulz part of it is counted analytically and shown separately.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from k3jax.config import Config, MeshConfig, load_config  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
-from k3jax.optim import make_optimizer  # noqa: E402
+from k3jax.optim import group_table, make_optimizer, normalize_path  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings,  # noqa: E402
                             cache_shardings, logical_to_spec, make_mesh, state_shardings)
-from k3jax.training import TrainState, make_train_step, next_token_loss  # noqa: E402
+from k3jax.training import TrainState, make_train_step  # noqa: E402
 
 GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
@@ -159,6 +160,7 @@ class Result:
     compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
     step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring)
     model_flops: float = 0.0  # 6 (train) or 2 (decode) * N_active * tokens
+    ns_flops: float = 0.0  # of step_flops: the optimizer's Newton-Schulz iterations (analytic count)
     compile_seconds: float = 0.0
     error: str = ""
 
@@ -218,6 +220,28 @@ def without_groups(model: K3Model) -> K3Model:
     return model
 
 
+def newton_schulz_flops(cfg: Config) -> float:
+    """FLOPs of the optimizer's Newton-Schulz iterations in one step, over all devices (analytic).
+
+    Per Muon block with short side ``r`` and long side ``o``, each step forms ``X X^T`` and
+    ``(b G + c G^2) X``: ``4 r^2 o + 2 r^3`` FLOPs. The blocks are the per-head / per-expert
+    matrices of ``k3jax.optim`` (every batch axis, ``layers`` included, multiplies the count)."""
+    model = abstract_model(cfg.model)
+    shapes = {normalize_path(p): v.get_raw_value().shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    total = 0.0
+    for path, (_, dn, _) in group_table(model, per_head=cfg.train.optim.per_head_muon).items():
+        if dn is None:
+            continue
+        shape = shapes[path]
+        axes = lambda a: tuple(i % len(shape) for i in (a if isinstance(a, tuple) else (a,)))  # noqa: E731
+        red, out = axes(dn.reduction_axis), axes(dn.output_axis)
+        m, n = math.prod(shape[i] for i in red), math.prod(shape[i] for i in out)
+        r, o = min(m, n), max(m, n)
+        blocks = math.prod(shape) // (m * n)
+        total += blocks * cfg.train.optim.ns_steps * (4 * r * r * o + 2 * r**3)
+    return total
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiling
 
@@ -256,26 +280,6 @@ def _lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, se
                      donate_argnums=0)
     with jax.set_mesh(mesh):
         return jitted.lower(*args)
-
-
-def _lower_loss_grad(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
-    """The train step's forward + backward alone (no optimizer): what one layer group adds."""
-    model_def, params, rest = nnx.split(model, nnx.Param, ...)
-    params_sh, rest_sh = state_shardings(params, mesh, rules), state_shardings(rest, mesh, rules)
-    data = abstract_batch(mesh, batch, seq_len, rules)
-    z_loss = cfg.train.z_loss
-
-    def loss_grad(params, rest, mb):
-        def loss(params):
-            m = nnx.merge(model_def, params, rest)
-            logits, _, _ = m.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"])
-            return next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)[0]
-
-        return jax.grad(loss)(params)
-
-    jitted = jax.jit(loss_grad, in_shardings=(params_sh, rest_sh, data["tokens"].sharding), out_shardings=params_sh)
-    with jax.set_mesh(mesh):
-        return jitted.lower(abstract_with_shardings(params, params_sh), abstract_with_shardings(rest, rest_sh), data)
 
 
 def _lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
@@ -328,15 +332,12 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, d
     step_flops = per_device * mesh.size
     groups = abstract_model(cfg.model).plan.num_groups
     if flops and groups > 1:
-        log(f"  {groups} scanned groups: compiling the baseline without them for the per-group FLOPs")
-        group_lower = _lower_loss_grad if job.mode == "train" else _lower_decode
-        with_stack = group_lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len).compile()
-        f_with = _flops(with_stack)
-        del with_stack
-        f_without = _flops(group_lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, job.batch,
-                                       job.seq_len).compile())
-        step_flops = (per_device + (groups - 1) * (f_with - f_without)) * mesh.size
-    return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops)
+        log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
+        baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, job.batch, job.seq_len)
+        per_group = per_device - _flops(baseline.compile())
+        step_flops = (per_device + (groups - 1) * per_group) * mesh.size
+    ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
+    return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,11 +353,11 @@ def _mesh_str(shape: dict) -> str:
 
 
 TABLE_HEADER = ("| config | program | slice (devices) | mesh | global batch | argument GiB | output GiB | "
-                "temp GiB | total GiB / HBM | fits | FLOPs/step | model FLOPs | ratio | compile s |")
+                "temp GiB | total GiB / HBM | fits | FLOPs/step | model FLOPs | ratio | of which NS | compile s |")
 
 
 def table(results: list[Result]) -> str:
-    """A Markdown table of per-device memory and step FLOPs."""
+    """A Markdown table of per-device memory and step FLOPs (output GiB: not aliased to arguments)."""
     rows = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for r in results:
         j = r.job
@@ -368,7 +369,11 @@ def table(results: list[Result]) -> str:
         else:
             mem = (f"| {_gib(r.argument_bytes)} | {_gib(r.output_bytes - r.alias_bytes)} | {_gib(r.temp_bytes)} | "
                    f"{_gib(r.total_bytes)} / {_gib(r.hbm_bytes)} | {'yes' if r.fits else 'no'} |")
-        fl = (f"{r.step_flops:.3e} | {r.model_flops:.3e} | {r.flops_ratio:.2f}" if r.step_flops else "– | – | –")
+        if r.step_flops:
+            ns = f"{r.ns_flops / r.model_flops:.2f}" if r.ns_flops else "–"
+            fl = f"{r.step_flops:.3e} | {r.model_flops:.3e} | {r.flops_ratio:.2f} | {ns}"
+        else:
+            fl = "– | – | – | –"
         rows.append(f"| {j.config} | {what} | {j.slice} ({r.num_devices}) | {_mesh_str(r.mesh_shape)} | "
                     f"{j.batch} {mem} {fl} | {r.compile_seconds:.0f} |")
     return "\n".join(rows)

@@ -9,10 +9,11 @@ without touching model code.
 Rule semantics (MaxText's convention, made shape-aware): a rule lists candidates, each one mesh axis
 or a tuple of them; the first candidate that still has a usable axis wins, where usable means of size
 > 1 and not already taken by an earlier dimension of the same array. Of a tuple, the free axes are
-used, trailing ones dropped until their product divides the dimension. So ``embed -> (fsdp, expert)``
-shards dense weights over every data-parallel device (FSDP over the expert axis too, which full K3
-needs to fit), while in a routed-expert weight ``expert`` has already taken the expert axis and
-``expert_in -> fsdp`` takes the rest; a batch of 1 on a data-parallel mesh is simply replicated.
+used, trailing ones dropped until their product divides the dimension. So ``embed -> (fsdp, sequence, expert)``
+shards dense weights over every data-parallel device (FSDP over the sequence and expert axes too,
+which full K3 needs to fit), while in a routed-expert weight ``expert`` has already taken the expert
+axis and ``expert_in -> (fsdp, sequence)`` takes the rest; a batch of 1 on a data-parallel mesh is
+simply replicated.
 
 Mesh axes: ``data`` (pure data parallelism), ``fsdp`` (data parallelism with parameters and optimizer
 state sharded), ``expert`` (routed experts; also splits the batch and, as FSDP, the dense weights),
@@ -45,18 +46,20 @@ DEFAULT_RULES: Rules = (
     # single 1M-token sequence is spread over the whole slice.
     ("cache_length", (("sequence", "data", "fsdp", "expert", "tensor"),)),
     ("vocab", ("tensor",)),
-    ("embed", (("fsdp", "expert"),)),
+    # FSDP: dense weights are stored split over every axis that splits the batch or the sequence (the
+    # expert axis too, which full K3 needs to fit); they are gathered at use (WEIGHT_USE_RULES).
+    ("embed", (("fsdp", "sequence", "expert"),)),
     ("heads", ("tensor",)),
     ("mlp", ("tensor",)),
     ("expert", ("expert",)),
-    ("expert_in", ("fsdp",)),
+    ("expert_in", (("fsdp", "sequence"),)),
     ("expert_mlp", ("tensor",)),
     ("layers", ()),
     ("head_dim", ()),
     # Storage only (FSDP): MLA's q_b / kv_b have no embed axis, and heads alone (96 or 64) would leave
     # them replicated; at use they are gathered (WEIGHT_USE_RULES).
-    ("q_lora", (("fsdp", "expert"),)),
-    ("kv_lora", (("fsdp", "expert"),)),
+    ("q_lora", (("fsdp", "sequence", "expert"),)),
+    ("kv_lora", (("fsdp", "sequence", "expert"),)),
     ("latent", ()),
     ("gate_rank", ()),
     ("conv", ()),

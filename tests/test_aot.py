@@ -1,7 +1,14 @@
 """The AOT scale proof at test size: compile the real train and decode steps of the ``small`` config
 for a v5p slice with libtpu (no TPU needed) and check what ``python -m k3jax.aot`` reports for full K3.
 
-Needs ``jax[tpu]==0.10.2`` (libtpu); skipped otherwise. Run with ``pytest -m tpu_aot tests/test_aot.py``.
+The train step is compiled with ``model.layout=mla`` (MLA, LatentMoE with expert parallelism, Block
+AttnRes, per-head Muon; no KDA): XLA's TPU compiler needs about 30 s on two cores per KDA layer
+instance of the pure-JAX chunked form (its float32 HIGHEST-precision matmuls), which would make this
+test take 7 minutes; the decode step keeps the hybrid layout (recurrent KDA compiles quickly) and
+``docs/scale.md`` has the full hybrid train step.
+
+Needs ``jax[tpu]==0.10.2`` (libtpu); skipped otherwise. Run with ``pytest -m tpu_aot tests/test_aot.py``
+(about 2 minutes on two cores).
 """
 
 import math
@@ -23,7 +30,7 @@ pytestmark = pytest.mark.tpu_aot
 
 SLICE = "v5p-8"  # 2x2x1 chips: 4 devices
 MESH = MeshConfig(data=1, fsdp=2, expert=2)
-TRAIN = aot.Job("small", "train", SLICE, MESH, batch=8, seq_len=256)
+TRAIN = aot.Job("small", "train", SLICE, MESH, batch=8, seq_len=256, overrides=("model.layout=mla",))
 DECODE = aot.Job("small", "decode", SLICE, MESH, batch=1, seq_len=4096)
 
 
@@ -67,9 +74,11 @@ def test_train_step_flops(train_result):
     r = train_result
     n_active = count_params(TRAIN.load().model)["active"]
     assert r.model_flops == 6 * n_active * TRAIN.batch * TRAIN.seq_len
-    # The compiled step does at least the model's FLOPs, and what it adds (attention over 256 tokens,
-    # Newton-Schulz, the routing, the worst-case expert buffers) stays within a small factor.
-    assert 1.0 < r.flops_ratio < 8.0, r.flops_ratio
+    # The compiled step does at least the model's FLOPs. At this toy size what it adds is large but
+    # bounded: Newton-Schulz (counted analytically, ~0.9 of the model FLOPs for 2048 tokens), attention,
+    # and XLA's ragged_dot weight gradient, which is a masked dense product over the 16 local experts.
+    assert 0 < r.ns_flops < r.step_flops
+    assert 1.0 < r.flops_ratio < 16.0, r.flops_ratio
     # The loop-count correction matters: XLA counts the scanned groups once.
     assert r.step_flops > r.compiled_flops * r.num_devices
 
@@ -85,7 +94,14 @@ def test_decode_step_fits_with_sharded_cache(decode_result):
     param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     # One sequence: its cache slots are split over the devices rather than replicated.
     assert r.argument_bytes < (param_bytes + cache_bytes) / r.num_devices * 1.6
-    assert 1.0 < r.flops_ratio < 8.0, r.flops_ratio
+    # FLOPs: one sequence's token is computed on every device (the dense weights are gathered, the
+    # batch of 1 is not split), so each device does about the whole token: the matmuls, the absorbed
+    # MLA attention over the 4096 slots, and XLA's dense-over-local-experts ragged_dot.
+    mla = cfg.model.mla
+    mla_layers = sum(cfg.model.mixer(i) == "mla" for i in range(cfg.model.num_layers))
+    attn = 2 * mla_layers * mla.num_heads * DECODE.seq_len * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
+    per_device = r.step_flops / r.num_devices
+    assert r.model_flops + attn < per_device < 4 * (r.model_flops + attn), (per_device, r.model_flops, attn)
 
 
 def test_table_and_rules():
