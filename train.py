@@ -27,15 +27,16 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3jax import checkpoint
+from k3jax import checkpoint, distributed
 from k3jax.config import Config, load_config, to_dict
 from k3jax.data.images import make_dataset
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
-from k3jax.model import create_model, plan_layers
-from k3jax.optim import learning_rate_schedule, make_optimizer
+from k3jax.model import plan_layers
+from k3jax.optim import learning_rate_schedule
 from k3jax.run_log import RunLog, plot_losses
-from k3jax.training import TrainState, expert_imbalance_layers, make_eval_step, make_train_step
+from k3jax.sharding import make_mesh, shard_batch, use_mesh
+from k3jax.training import expert_imbalance_layers, init_train_state, make_eval_step, make_train_step
 
 DEMO_PROMPT = "In the beginning"
 EVAL_BATCHES = 4
@@ -66,23 +67,40 @@ class _StopRequest(contextlib.AbstractContextManager):
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _evaluate(eval_step, state, cfg: Config, tokenizer) -> float:
+def _agreed(flag: bool) -> bool:
+    """``flag`` of any process, seen by all (a Ctrl-C reaches one host; every host must stop at the
+    same step, or the others would wait forever in the next step's collectives)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _print_main(text: str) -> None:
+    if distributed.is_main_process():
+        print(text, flush=True)
+
+
+def _evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
     nll = count = 0.0
-    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval"))
+    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval", process_index=jax.process_index(),
+                                  process_count=jax.process_count()))
     for _ in range(EVAL_BATCHES):
         batch = next(eval_iter, None)
         if batch is None:
             break
-        n, c = eval_step(state, batch)
+        n, c = eval_step(state, shard_batch(batch, mesh))
         nll, count = nll + float(n), count + float(c)
     return nll / max(count, 1.0)
 
 
-def _init_weights(model, source: str) -> None:
+def _init_weights(model, source: str, mesh) -> None:
     """Copy the model weights (and router-bias state) of another run's latest checkpoint into
     ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
     src = pathlib.Path(source)
-    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src)
+    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src,
+                                         mesh=mesh if mesh.size > 1 else None)
     want, got = nnx.state(model), nnx.state(loaded)
     layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
     if layout(want) != layout(got):
@@ -91,13 +109,27 @@ def _init_weights(model, source: str) -> None:
 
 
 def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict:
-    """Train (or resume) ``cfg``; returns the last logged ``loss``, ``eval_loss``, ``sample`` and
-    ``interrupted`` (True when stopped by Ctrl-C after saving)."""
+    """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
+    the last logged ``loss``, ``eval_loss``, ``sample`` and ``interrupted`` (True when stopped by
+    Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards."""
     tc = cfg.train
     out = pathlib.Path(tc.out_dir)
-    if fresh and out.exists():
+    main_process = distributed.is_main_process()
+    if fresh and out.exists() and main_process:
         shutil.rmtree(out)
+    if jax.process_count() > 1:  # nobody reads the run directory before process 0 has cleared it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("k3jax.train: run directory ready")
     out.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh)
+    with use_mesh(mesh):
+        return _train(cfg, mesh, out, sample_tokens)
+
+
+def _train(cfg: Config, mesh, out: pathlib.Path, sample_tokens: int) -> dict:
+    tc = cfg.train
+    main_process = distributed.is_main_process()
 
     tokenizer = load_tokenizer(tc.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -105,30 +137,29 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
                          f"model.vocab_size={cfg.model.vocab_size}")
     train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
                                    process_count=jax.process_count()))
-    model = create_model(cfg.model, seed=tc.seed)
-    with nnx.use_eager_sharding(False):
-        ts = TrainState(model, make_optimizer(tc.optim, model, tc.steps))
+    ts = init_train_state(cfg, mesh)
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
                               item_names=checkpoint.TRAIN_ITEMS)
     start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter) or 0
     if start:
         tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}")
     elif tc.init_from:
-        _init_weights(ts.model, tc.init_from)
+        _init_weights(ts.model, tc.init_from, mesh)
         tqdm.write(f"initialised the model from {tc.init_from}")
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if main_process:
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
     moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
 
-    log = RunLog(out)
+    log = RunLog(out, enabled=main_process)
     record, eval_loss, saved_step, step = {}, float("nan"), start, start
-    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
     t0, tokens_seen = time.perf_counter(), 0.0
     with _StopRequest() as stop:
-        while step < tc.steps and not stop.requested:
-            state, metrics = step_fn(state, next(train_iter))
+        while step < tc.steps and not _agreed(stop.requested):
+            state, metrics = step_fn(state, shard_batch(next(train_iter), mesh))
             step += 1
             bar.update(1)
             tokens_seen += float(metrics["tokens"])
@@ -146,8 +177,8 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
                                 imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
                 t0, tokens_seen = time.perf_counter(), 0.0
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                log.write({"step": step, "eval_loss": _evaluate(eval_fn, state, cfg, tokenizer)})
-            if step % tc.checkpoint_every == 0 or step == tc.steps or stop.requested:
+                log.write({"step": step, "eval_loss": _evaluate(eval_fn, state, cfg, tokenizer, mesh)})
+            if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
                 checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter)
                 saved_step = step
     bar.close()
@@ -155,16 +186,16 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
     mngr.close()
     if step < tc.steps:
         log.close()
-        print(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
-              f"Run the same command to resume.", flush=True)
+        _print_main(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
+                    f"Run the same command to resume.")
         return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
 
-    eval_loss = _evaluate(eval_fn, state, cfg, tokenizer)
+    eval_loss = _evaluate(eval_fn, state, cfg, tokenizer, mesh)
     log.write({"step": tc.steps, "eval_loss": eval_loss})
     log.close()
-    plot = plot_losses(out)
-    print(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
-          f"metrics in {out / 'metrics.jsonl'}, plot {plot}", flush=True)
+    plot = plot_losses(out) if main_process else None
+    _print_main(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
+                f"metrics in {out / 'metrics.jsonl'}, plot {plot}")
 
     sample = ""
     if sample_tokens:
@@ -174,7 +205,7 @@ def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict
         out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
                               temperature=0.0, stop_tokens=stops)
         sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
-        print(f"\n--- sample (greedy) ---\n{sample}\n", flush=True)
+        _print_main(f"\n--- sample (greedy) ---\n{sample}\n")
     return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
             "interrupted": False}
 
@@ -188,16 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="tiny", help="config name (configs/<name>.yaml) or YAML path")
     ap.add_argument("--fresh", action="store_true", help="delete the run directory first instead of resuming")
     ap.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample after training (0: none)")
+    ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
+                    help="multi-host start-up (jax.distributed.initialize): auto = when the environment "
+                    "describes a multi-process job (k3jax/distributed.py)")
     ap.add_argument("overrides", nargs="*",
                     help="dotted key=value config overrides, e.g. train.steps=50 run_dir=runs/exp1")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, _expand_aliases(args.overrides))
+    distributed.initialize(args.distributed)
     if jax.default_backend() == "cpu":
         # XLA:CPU spends minutes optimising the train step of even the tiny model; CPU runs are
         # demos and tests, so trade run-time speed for a several-fold faster compile.
         jax.config.update("jax_disable_most_optimizations", True)
-    print(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s); "
-          f"run_dir={cfg.train.out_dir}", flush=True)
+    axes = {k: v for k, v in make_mesh(cfg.mesh).shape.items() if v > 1}
+    _print_main(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+                f"{f' (mesh {axes})' if axes else ''}, {jax.process_count()} process(es); run_dir={cfg.train.out_dir}")
     try:
         result = train(cfg, fresh=args.fresh, sample_tokens=args.sample_tokens)
     except checkpoint.CheckpointError as e:

@@ -54,7 +54,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 from k3jax.config import Config, MeshConfig, load_config  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
@@ -62,7 +62,7 @@ from k3jax.optim import group_table, make_optimizer, normalize_path  # noqa: E40
 from k3jax.params import count_params  # noqa: E402
 from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings,  # noqa: E402
                             cache_shardings, logical_to_spec, make_mesh, state_shardings)
-from k3jax.training import TrainState, make_train_step  # noqa: E402
+from k3jax.training import abstract_train_state, make_train_step  # noqa: E402
 
 GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
@@ -184,25 +184,6 @@ class Result:
 
 # ---------------------------------------------------------------------------------------------
 # Abstract state, batches and caches
-
-
-def abstract_train_state(cfg: Config, model: K3Model | None = None):
-    """``(graphdef, state)`` of a ``TrainState`` whose leaves are ShapeDtypeStructs (with the
-    Variables' logical axis metadata): the model from ``abstract_model`` and the optimizer state from
-    ``jax.eval_shape`` of the optimizer's init. Nothing is allocated."""
-    model = abstract_model(cfg.model) if model is None else model
-    model_def, model_state = nnx.split(model)
-    out = {}
-
-    def build(state):
-        m = nnx.merge(model_def, state)
-        with nnx.use_eager_sharding(False):  # shardings come from the rules, not from eager placement
-            ts = TrainState(m, make_optimizer(cfg.train.optim, m, cfg.train.steps))
-        out["graphdef"], ts_state = nnx.split(ts)
-        return ts_state
-
-    state = jax.eval_shape(build, model_state)
-    return out["graphdef"], state
 
 
 def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES) -> dict:

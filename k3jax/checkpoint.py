@@ -9,6 +9,10 @@ with :func:`restore_model`; the config travels with the weights, so nothing else
 Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a
 run killed mid-save leaves the previous step as the latest. A checkpoint that fails to read raises
 :class:`CheckpointError` naming it; nothing is deleted or overwritten.
+
+Meshes: arrays are saved shard by shard (every process writes its own shards; multi-host runs need a
+directory all hosts share) and restored into whatever sharding the target asks for, so a run saved on
+one mesh resumes, or is served, on another (``mesh`` is free to change on resume).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flax import nnx
 
 from k3jax.config import Config, from_dict, to_dict
 from k3jax.model import K3Model, abstract_model
+from k3jax.sharding import abstract_with_shardings, state_shardings
 
 TRAIN_ITEMS = ("config", "model", "optimizer", "data")
 # Train fields that may change when a run resumes: how long and how it is logged and saved.
@@ -77,8 +82,11 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
         diff = _diff(to_dict(config.model), to_dict(saved.model))
         raise ValueError(f"checkpoint {directory} (step {step}) does not match the config: {diff}")
     graphdef, abstract_state = nnx.split(abstract_model(saved.model))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else None
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_state)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), abstract_state)
+    else:  # each array read straight into its rule-derived sharding, whatever mesh saved it
+        target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
     with manager(directory, async_save=False) as mngr:
         try:
             raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
@@ -136,7 +144,8 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
 
 def _config_mismatch(current: Config, saved: Config) -> str:
     a, b = to_dict(current), to_dict(saved)
-    a.pop("name", None), b.pop("name", None)
+    for key in ("name", "mesh"):  # a run may resume on another mesh: orbax reshards on restore
+        a.pop(key, None), b.pop(key, None)
     for d in (a, b):
         for f in RESUMABLE_TRAIN_FIELDS:
             d.get("train", {}).pop(f, None)

@@ -20,16 +20,19 @@ LOSS_PLOT = "loss.png"
 class RunLog:
     """Appends records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True):
+        """``enabled=False``: write nothing (every process but the first of a multi-host run)."""
         self.run_dir = pathlib.Path(run_dir)
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a")
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a") if enabled else None
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from tensorboardX import SummaryWriter  # local: a heavy import only the trainer needs
 
             self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -39,7 +42,8 @@ class RunLog:
             self._tb.flush()
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 

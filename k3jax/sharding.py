@@ -22,6 +22,7 @@ state sharded), ``expert`` (routed experts; also splits the batch and, as FSDP, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Sequence
 
@@ -78,6 +79,7 @@ WEIGHT_USE_RULES: Rules = (
 
 # Logical axes of the training batch arrays (``tokens, segment_ids, positions, targets, loss_mask``).
 BATCH_AXES = ("batch", "length")
+_TEXT_BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 
 # Logical axes of the decoding cache's arrays (``k3jax.cache``), without the leading stacked-group
 # axis that the scanned layers' caches carry (it gets ``layers``).
@@ -204,6 +206,28 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, shape: Sequence[int
     """Sharding of ``[B, T]`` input arrays: batch over the data-like axes, length over ``sequence``
     (axes that do not divide ``shape``, when given, are left out)."""
     return NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
+
+
+def shard_batch(batch: dict, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
+    """This process's rows of a global batch (numpy) -> global arrays on ``mesh``.
+
+    ``[B, T]`` text arrays are split as :data:`BATCH_AXES`; other arrays (a vision batch's packed
+    ``image_*`` patches ``[B, P, ...]``) along their batch dimension only. Every process passes its
+    own ``B / process_count`` rows (``k3jax.data`` reads them), in process order.
+    """
+    out = {}
+    for key, local in batch.items():
+        local = np.asarray(local)
+        shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        axes = BATCH_AXES if local.ndim == 2 and key in _TEXT_BATCH_KEYS else ("batch",) + (None,) * (local.ndim - 1)
+        out[key] = jax.make_array_from_process_local_data(named_sharding(mesh, axes, shape, rules), local, shape)
+    return out
+
+
+def use_mesh(mesh: Mesh):
+    """``jax.set_mesh(mesh)`` for a mesh of several devices; a no-op context for one device, whose
+    programs need no mesh (and stay exactly the unsharded single-device programs)."""
+    return jax.set_mesh(mesh) if mesh.size > 1 else contextlib.nullcontext()
 
 
 def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:

@@ -15,7 +15,9 @@ from flax import nnx
 from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
-from k3jax.model import K3Model, LayerPlan
+from k3jax.model import K3Model, LayerPlan, abstract_model, create_model
+from k3jax.optim import make_optimizer
+from k3jax.sharding import state_shardings
 
 
 class TrainState(nnx.Module):
@@ -25,6 +27,47 @@ class TrainState(nnx.Module):
         self.model = model
         self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.skipped = nnx.Variable(jnp.zeros((), jnp.int32))  # updates skipped by the NaN guard
+
+
+def abstract_train_state(cfg: Config, model: K3Model | None = None):
+    """``(graphdef, state)`` of a ``TrainState`` whose leaves are ShapeDtypeStructs (with the
+    Variables' logical axis metadata): the model from ``abstract_model`` and the optimizer state from
+    ``jax.eval_shape`` of the optimizer's init. Nothing is allocated."""
+    model = abstract_model(cfg.model) if model is None else model
+    model_def, model_state = nnx.split(model)
+    out = {}
+
+    def build(state):
+        m = nnx.merge(model_def, state)
+        with nnx.use_eager_sharding(False):  # shardings come from the rules, not from eager placement
+            ts = TrainState(m, make_optimizer(cfg.train.optim, m, cfg.train.steps))
+        out["graphdef"], ts_state = nnx.split(ts)
+        return ts_state
+
+    state = jax.eval_shape(build, model_state)
+    return out["graphdef"], state
+
+
+def init_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> TrainState:
+    """A freshly initialised ``TrainState`` (weights from ``train.seed``).
+
+    On one device the weights are drawn on the host (fast: no init program to compile). On a larger
+    mesh the whole state is built under one jit whose outputs land straight in their rule-derived
+    shardings, so no device ever holds more than its shards (full K3 on a pod); the weights then
+    come from ``jax.random`` and differ from the single-device ones (same distribution). Either way a
+    resumed run restores its checkpoint, whatever mesh it resumes on.
+    """
+
+    def build():
+        model = create_model(cfg.model, seed=cfg.train.seed)
+        with nnx.use_eager_sharding(False):
+            return TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
+
+    if mesh is None or mesh.size == 1:
+        return build()
+    graphdef, abstract = abstract_train_state(cfg)
+    init = jax.jit(lambda: nnx.state(build()), out_shardings=state_shardings(abstract, mesh))
+    return nnx.merge(graphdef, init())
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float = 0.0):
@@ -43,7 +86,10 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array,
 
 
 def _micro_batches(batch: dict, n: int) -> dict:
-    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+    """``[B, ...]`` -> ``[n, B / n, ...]``, micro-batch i = rows i, i + n, ... (strided, not blocks):
+    each device's contiguous block of the batch-sharded rows then feeds every micro-batch, so the
+    micro-batches stay split over the same devices instead of landing whole on a few of them."""
+    return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def _merge_stacked_stats(stats: dict) -> dict:

@@ -1,0 +1,71 @@
+"""Multi-process start-up: ``jax.distributed.initialize`` when the job spans several hosts.
+
+``train.py`` and ``infer.py`` call :func:`initialize` before touching any device. ``--distributed``
+chooses:
+
+- ``auto`` (default): initialize when the environment describes a multi-process job — an explicit
+  coordinator (``JAX_COORDINATOR_ADDRESS``, with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``),
+  a multi-host Cloud TPU slice (``TPU_WORKER_HOSTNAMES`` listing several hosts), or a SLURM / Open MPI
+  launch of more than one task; otherwise run as one process.
+- ``on``: always initialize (``jax.distributed.initialize()`` auto-detects TPU pods, SLURM, MPI).
+- ``off``: never.
+
+After it, ``jax.devices()`` lists every process's devices, so the mesh built from ``cfg.mesh`` spans
+the whole job; each process reads its own ``1 / process_count`` of every global batch
+(``k3jax.data``) and contributes it with ``jax.make_array_from_process_local_data``; orbax writes
+each process's shards of the train state to the shared checkpoint directory, and process 0 the
+metadata. Single-host runs never call it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import jax
+
+Mode = Literal["auto", "on", "off"]
+MODES = ("auto", "on", "off")
+
+
+def _env_tasks(*names: str) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def multi_process_env() -> str | None:
+    """Which launcher describes a multi-process job in the environment (None: a single process)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
+        return "TPU_WORKER_HOSTNAMES"
+    if _env_tasks("SLURM_NTASKS", "SLURM_NPROCS") > 1:
+        return "SLURM"
+    if _env_tasks("OMPI_COMM_WORLD_SIZE") > 1:
+        return "Open MPI"
+    return None
+
+
+def initialize(mode: Mode = "auto") -> bool:
+    """Start the multi-process runtime if ``mode`` asks for it (module docstring); True when started."""
+    if mode not in MODES:
+        raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off" or (mode == "auto" and multi_process_env() is None):
+        return False
+    kwargs = {}
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # explicit wiring (any platform, CPU included)
+        kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                      num_processes=_env_tasks("JAX_NUM_PROCESSES"), process_id=int(os.environ.get("JAX_PROCESS_ID", 0)))
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+def is_main_process() -> bool:
+    """Process 0 writes logs, plots and prints samples; every process saves its checkpoint shards."""
+    return jax.process_index() == 0
+
+
+__all__ = ["MODES", "initialize", "is_main_process", "multi_process_env"]

@@ -1,0 +1,79 @@
+"""train.py on a device mesh: a run checkpointed on one device resumes on an 8-device data x expert x
+sequence mesh (fake CPU devices) and continues with the losses the single-device run has; the same
+checkpoint restores for inference onto yet another mesh with every array in its new sharding."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from test_train import SMALL, _env
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STEPS = 4
+MESH = ["mesh.data=2", "mesh.expert=2", "mesh.sequence=2"]
+
+
+def _train(run_dir, env, *extra):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--sample-tokens", "0", *SMALL, "train.batch_size=8",
+           "train.checkpoint_every=2", f"train.steps={STEPS}", f"run_dir={run_dir}", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _losses(run_dir) -> dict[int, dict]:
+    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_continues_the_run(tmp_path):
+    env = _env(tmp_path / "cache")
+    straight = tmp_path / "straight"
+    _train(straight, env)
+
+    # The same run, resumed from its step-2 checkpoint on 8 devices (2 data x 2 expert x 2 sequence).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / str(STEPS))
+    metrics = resumed / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line)["step"] <= 2 and "loss" in json.loads(line)))
+    out = _train(resumed, dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"), *MESH)
+    assert "8 cpu device(s) (mesh {'data': 2, 'expert': 2, 'sequence': 2})" in out, out
+    assert "resumed from" in out and "at step 2" in out, out
+
+    want, got = _losses(straight), _losses(resumed)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in (3, 4):  # float32; only the reduction order differs between the meshes
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(got[step][key], want[step][key], rtol=2e-5, err_msg=f"step {step} {key}")
+
+    # Inference: restore the 8-device run's last checkpoint onto a 4-device fsdp x expert mesh.
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from flax import nnx
+        from k3jax import checkpoint
+        from k3jax.config import MeshConfig
+        from k3jax.sharding import make_mesh, state_shardings
+        mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2), jax.devices()[:4])
+        model, cfg = checkpoint.restore_model({str(resumed / 'checkpoints')!r}, mesh=mesh)
+        ref, _ = checkpoint.restore_model({str(resumed / 'checkpoints')!r})
+        state, want = nnx.state(model), state_shardings(nnx.state(model), mesh)
+        for x, s, y in zip(jax.tree.leaves(state), jax.tree.leaves(want), jax.tree.leaves(nnx.state(ref))):
+            assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert any(len(x.sharding.device_set) == 4 and not x.sharding.is_fully_replicated
+                   for x in jax.tree.leaves(state))
+        print("restored", len(jax.tree.leaves(state)))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"), cwd=ROOT)
+    assert proc.returncode == 0 and "restored" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
