@@ -6,6 +6,10 @@ unless ``--step``) or a run directory containing one, or a Hugging Face model di
 fly). Without ``--checkpoint`` the latest run of the default main job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
 
+Devices: ``--mesh`` lays the model out over every device of every process (default ``fsdp=-1``: the
+weights split over all devices, so a model larger than one device loads); ``--distributed`` starts
+the multi-host runtime (``k3jax/distributed.py``). On one device nothing is sharded.
+
 ``--image PATH`` (repeatable; a model with ``model.vision.enabled``) puts each image's placeholder
 block (``<|media_begin|>image WxH<|media_content|>`` + pads + ``<|media_end|>``) before the prompt
 text; the vision tower's features replace the pads in the prefill.
@@ -20,10 +24,11 @@ import sys
 import jax
 import numpy as np
 
-from k3jax import checkpoint
+from k3jax import checkpoint, distributed
 from k3jax.config import Config, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
+from k3jax.sharding import make_mesh, parse_mesh, use_mesh
 
 DEFAULT_RUN = pathlib.Path("runs/default")
 
@@ -47,26 +52,31 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _load_hf(path: pathlib.Path):
+def _load_hf(path: pathlib.Path, mesh):
     """The model of a HF directory; routed experts stored MXFP4-packed are kept packed."""
     from k3jax.interop import from_hf, load_hf_config
 
     _, info = load_hf_config(path)
-    model = from_hf(path, keep_mxfp4=info.mxfp4)
+    model = from_hf(path, keep_mxfp4=info.mxfp4, mesh=mesh)
     return model, Config(name=path.name, model=model.cfg)
 
 
 class _Printer:
-    """Streams one row's tokens, printing only text that decodes cleanly so far."""
+    """Streams one row's tokens in step order (multi-device calls may arrive out of order), printing
+    only text that decodes cleanly so far."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+        self.pending: dict[int, tuple[int, bool]] = {}
 
     def __call__(self, step, tokens, active):
-        if not bool(active[0]):
+        if not distributed.is_main_process():
             return
-        self.ids.append(int(tokens[0]))
-        text = self.tokenizer.decode(self.ids)
+        self.pending[int(step)] = (int(tokens[0]), bool(active[0]))
+        while len(self.ids) in self.pending:
+            token, live = self.pending.pop(len(self.ids))
+            self.ids.append(token if live else None)
+        text = self.tokenizer.decode([t for t in self.ids if t is not None])
         if text.startswith(self.printed) and not text.endswith("\ufffd"):
             sys.stdout.write(text[len(self.printed):])
             sys.stdout.flush()
@@ -88,15 +98,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="'byte', a tokenizer.json or tiktoken.model (default: the checkpoint's "
                     "train.data.tokenizer; for a HF directory the tokenizer files in it)")
+    ap.add_argument("--mesh", default="fsdp=-1", help="device mesh, axis=size pairs over data, fsdp, expert, "
+                    "sequence, tensor (unlisted: 1; -1 fills); default: weights split over all devices")
+    ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
+                    help="multi-host start-up (jax.distributed.initialize; k3jax/distributed.py)")
     args = ap.parse_args(argv)
 
+    distributed.initialize(args.distributed)
+    try:
+        mesh = make_mesh(parse_mesh(args.mesh))
+    except ValueError as e:
+        raise SystemExit(f"error: --mesh: {e}") from None
+    placement = mesh if mesh.size > 1 else None
     if jax.default_backend() == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
     expected = load_config(args.config) if args.config else None
     hf = _is_hf_dir(ckpt)
     try:
-        model, cfg = _load_hf(ckpt) if hf else checkpoint.restore_model(ckpt, step=args.step, config=expected)
+        model, cfg = (_load_hf(ckpt, placement) if hf else
+                      checkpoint.restore_model(ckpt, step=args.step, config=expected, mesh=placement))
         tokenizer = load_tokenizer(args.tokenizer or (str(ckpt) if hf else cfg.train.data.tokenizer))
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -125,11 +146,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the prompt has {len(prompt)} tokens; the model's context is {cfg.model.max_seq_len}")
     max_new = min(args.max_new_tokens, room)
     stops = tuple(getattr(tokenizer, "stop_ids", ())) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
-    generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, stop_tokens=stops, seed=args.seed, stream=_Printer(tokenizer), images=images)
-    sys.stdout.write("\n")
+    if distributed.is_main_process():
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    with use_mesh(mesh):
+        jax.block_until_ready(generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature,
+                                       top_k=args.top_k, top_p=args.top_p, stop_tokens=stops, seed=args.seed,
+                                       stream=_Printer(tokenizer), images=images))
+    if distributed.is_main_process():
+        sys.stdout.write("\n")
 
 
 if __name__ == "__main__":

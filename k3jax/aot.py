@@ -58,9 +58,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from k3jax.config import Config, MeshConfig, load_config  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
-from k3jax.optim import group_table, make_optimizer, normalize_path  # noqa: E402
+from k3jax.optim import group_table, normalize_path  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings,  # noqa: E402
+from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings, parse_mesh,  # noqa: E402
                             cache_shardings, logical_to_spec, make_mesh, state_shardings)
 from k3jax.training import abstract_train_state, make_train_step  # noqa: E402
 
@@ -360,16 +360,6 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def _parse_mesh(text: str) -> MeshConfig:
-    sizes = {a: 1 for a in MESH_AXES}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        if name not in sizes:
-            raise SystemExit(f"--mesh: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
-        sizes[name] = int(value)
-    return MeshConfig(**sizes)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="config name or path (default: run the PLAN)")
@@ -388,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.xla_dump}".strip()
     if args.config:
         cfg = load_config(args.config, args.overrides)
-        mesh = _parse_mesh(args.mesh)
+        mesh = parse_mesh(args.mesh)
         devices = TpuSlice.v5p(args.slice).num_devices
         batch = args.batch or (devices if args.mode == "train" else 1)
         seq = args.seq_len or (cfg.train.seq_len if args.mode == "train" else cfg.model.max_seq_len)

@@ -362,6 +362,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     muon_beta: float = 0.95
     ns_steps: int = 5
+    # Muon momentum and Newton-Schulz dtype: bfloat16 halves the optimizer's largest state and
+    # temporaries (the usual Muon setting at scale); float32 is exact to the optax reference.
+    muon_dtype: Literal["float32", "bfloat16"] = "float32"
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
@@ -375,6 +378,8 @@ class OptimConfig:
         _check(0 <= self.end_lr_fraction <= 1, f"{prefix}.end_lr_fraction", "must be in [0, 1]")
         _check(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
         _check(self.ns_steps > 0, f"{prefix}.ns_steps", "must be positive")
+        _check(self.muon_dtype in ("float32", "bfloat16"), f"{prefix}.muon_dtype",
+               f"must be float32 or bfloat16, got {self.muon_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,9 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
     its continuation: row i holds its ``prompt_lengths[i]`` prompt tokens, then up to
     ``max_new_tokens`` generated ones, then padding (the first stop token, or 0 when none is given).
     Generation of a row ends after it emits a stop token (kept). Greedy at ``temperature=0``.
-    ``stream(step, tokens [B], active [B])`` (optional) is called on the host after every step.
+    ``stream(step, tokens [B], active [B])`` (optional) is called on the host after every step, in
+    step order on one device; on a multi-device model the calls may arrive out of order (XLA keeps
+    ordered host callbacks to one device), so a consumer that prints orders them by ``step``.
     ``images`` (vision models): the prompts' packed images (``k3jax.vision.inputs.pack_images``, one
     row per prompt) or their projected features ``[B, M, d]``, spliced in at the prompts'
     ``<|media_pad|>`` tokens during the prefill.
@@ -48,13 +50,16 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     graphdef, state = nnx.split(model)
     stops = tuple(int(s) for s in stop_tokens)
+    one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(state) if hasattr(x, "sharding"))
     return _generate(graphdef, state, prompt, lengths, jax.random.key(seed), images, max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_k=top_k, top_p=top_p, stops=stops, stream=stream)
+                     temperature=float(temperature), top_k=top_k, top_p=top_p, stops=stops, stream=stream,
+                     ordered_stream=one_device)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stops",
-                                             "stream"))
-def _generate(graphdef, state, prompt, lengths, key, images, *, max_new_tokens, temperature, top_k, top_p, stops, stream):
+                                             "stream", "ordered_stream"))
+def _generate(graphdef, state, prompt, lengths, key, images, *, max_new_tokens, temperature, top_k, top_p, stops, stream,
+              ordered_stream):
     model = nnx.merge(graphdef, state)
     b, t = prompt.shape
     total = t + max_new_tokens
@@ -83,7 +88,7 @@ def _generate(graphdef, state, prompt, lengths, key, images, *, max_new_tokens, 
         tok = jnp.where(active, tok, pad)
         out = jnp.where(active[:, None] & (jnp.arange(total)[None] == (lengths + i)[:, None]), tok[:, None], out)
         if stream is not None:
-            jax.debug.callback(stream, i, tok, active, ordered=True)
+            jax.debug.callback(stream, i, tok, active, ordered=ordered_stream)
         done = done | jnp.isin(tok, stop_ids)
         logits, cache = model(tok[:, None], cache=cache)
         return i + 1, out, logits[:, -1], done, cache, key

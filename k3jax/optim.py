@@ -387,6 +387,8 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
                                   optax.tree.bias_correction(updates, beta, count))
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
+        if mu_dtype is not None:  # Newton-Schulz in the momentum's dtype (bf16 halves its temporaries)
+            mu_hat = optax.tree.cast(mu_hat, mu_dtype)
         leaves, treedef = jax.tree.flatten(mu_hat)
         dns = treedef.flatten_up_to(dim_nums(mu_hat))
         new = orthogonalize_blocks(leaves, dns, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps)
@@ -427,7 +429,8 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     adam_peak = cfg.adam_learning_rate if cfg.adam_learning_rate is not None else cfg.learning_rate
     adam_lr = learning_rate_schedule(cfg, total_steps, peak=adam_peak)
     muon_tx = optax.chain(
-        scale_by_grouped_muon(dim_nums, beta=cfg.muon_beta, ns_steps=cfg.ns_steps, nesterov=True),
+        scale_by_grouped_muon(dim_nums, beta=cfg.muon_beta, ns_steps=cfg.ns_steps, nesterov=True,
+                              mu_dtype=None if cfg.muon_dtype == "float32" else jnp.dtype(cfg.muon_dtype)),
         scale_by_shape(weight_dimension_numbers=dim_nums, consistent_rms=CONSISTENT_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(muon_lr),

@@ -114,6 +114,19 @@ def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def parse_mesh(text: str, default: MeshConfig = MeshConfig(data=1)) -> MeshConfig:
+    """``"fsdp=8,expert=64"`` -> MeshConfig (unlisted axes: ``default``'s sizes; ``-1`` fills)."""
+    sizes = {a: getattr(default, a) for a in MESH_AXES}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.lstrip("-").isdigit():
+            raise ValueError(f"mesh {text!r}: expected axis=size pairs over {', '.join(MESH_AXES)}, got {part!r}")
+        sizes[name] = int(value)
+    cfg = MeshConfig(**sizes)
+    cfg.validate("mesh")
+    return cfg
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None,
                     shape: Sequence[int] | None = None) -> P:
     """PartitionSpec of one array from its logical axis names (see the module docstring).

@@ -437,7 +437,7 @@ def k3_reference_logits(ckpt: pathlib.Path, tokens: np.ndarray, dtype=np.float64
                 W[k.removeprefix("language_model.")] = sf.get(k)
     f64 = {k: v.astype(dtype) for k, v in W.items() if v.dtype != np.uint8}
     lac = t["linear_attn_config"]
-    n, d, eps = t["num_hidden_layers"], t["hidden_size"], t["rms_norm_eps"]
+    n, eps = t["num_hidden_layers"], t["rms_norm_eps"]
     H, K, Wc, LB = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"], lac["gate_lower_bound"]
     mh, nope, rope, vd, kvl = (t["num_attention_heads"], t["qk_nope_head_dim"], t["qk_rope_head_dim"],
                                t["v_head_dim"], t["kv_lora_rank"])

@@ -3,7 +3,6 @@ sequence mesh (fake CPU devices) and continues with the losses the single-device
 checkpoint restores for inference onto yet another mesh with every array in its new sharding."""
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess

@@ -36,6 +36,7 @@ from k3jax.interop import mxfp4
 from k3jax.interop.hf_config import HFInfo, check_exportable, config_from_hf, config_to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile, TensorSpec, parse_size, write_file
 from k3jax.model import K3Model, abstract_model
+from k3jax.sharding import DEFAULT_RULES, logical_to_spec
 from k3jax.vision.weights import export_vision, is_vision_tensor, load_vision, official_names
 
 Path = tuple  # a path of attribute names / list indices into the model graph
@@ -409,8 +410,8 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     - ``dtype``: parameter and compute dtype (float32 or bfloat16); the leaves k3jax always keeps in
       float32 (router, A_log, dt_bias, router bias) stay float32.
     - ``mesh`` / ``rules``: place each leaf with ``NamedSharding(mesh, spec)``, the spec derived from
-      the leaf's logical axis names by ``rules`` (``{logical: mesh_axis}`` or pairs; unmapped or
-      ``rules=None`` -> replicated).
+      the leaf's logical axis names by ``rules`` (``{logical: mesh_axis}`` or pairs; unmapped names
+      replicated); ``rules=None``: ``k3jax.sharding.DEFAULT_RULES``.
     - ``keep_mxfp4``: MXFP4-packed routed experts stay packed: the model is built with
       ``quant.experts=mxfp4`` (also reachable through ``overrides``), its routed experts are
       :class:`~k3jax.quant.packed.MXFP4Weight` modules holding the checkpoint's bytes (4.25 bits per
@@ -444,7 +445,12 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     def leaf_placer(var: nnx.Variable) -> _Placer:
         sds = var.get_raw_value()
         axes = var.get_metadata().get("out_sharding")
-        spec = partition_spec(axes, rules, sds.shape, mesh) if mesh is not None else None
+        if mesh is None:
+            spec = None
+        elif rules is None:  # the framework's rules (k3jax.sharding), as train.py and infer.py place models
+            spec = logical_to_spec(axes, DEFAULT_RULES, mesh, sds.shape) if axes else jax.sharding.PartitionSpec()
+        else:
+            spec = partition_spec(axes, rules, sds.shape, mesh)
         return _Placer(sds.shape, sds.dtype, mesh, spec)
 
     def placer(bnd: Binding):
