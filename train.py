@@ -84,13 +84,16 @@ def _print_main(text: str) -> None:
 
 def _evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
     nll = count = 0.0
-    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval", process_index=jax.process_index(),
-                                  process_count=jax.process_count()))
+    # The held-out split is small (it may have fewer documents than there are processes), so every
+    # process reads the same global batches and contributes its own slice of rows.
+    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval"))
+    n_proc, rank = jax.process_count(), jax.process_index()
     for _ in range(EVAL_BATCHES):
         batch = next(eval_iter, None)
         if batch is None:
             break
-        n, c = eval_step(state, shard_batch(batch, mesh))
+        local = {k: np.split(np.asarray(v), n_proc)[rank] for k, v in batch.items()}
+        n, c = eval_step(state, shard_batch(local, mesh))
         nll, count = nll + float(n), count + float(c)
     return nll / max(count, 1.0)
 

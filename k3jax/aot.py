@@ -56,7 +56,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from k3jax.config import Config, MeshConfig, load_config  # noqa: E402
+from k3jax.config import Config, MeshConfig, VisionConfig, load_config  # noqa: E402
+from k3jax.data.images import IMAGE_KEY_PREFIX  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
 from k3jax.optim import group_table, normalize_path  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
@@ -186,11 +187,24 @@ class Result:
 # Abstract state, batches and caches
 
 
-def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES) -> dict:
-    """The training batch as sharded ShapeDtypeStructs ``[batch, seq_len]``."""
+def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES,
+                   vision: VisionConfig | None = None) -> dict:
+    """The training batch as sharded ShapeDtypeStructs: the text arrays ``[batch, seq_len]`` and, for
+    an enabled vision tower, the packed-image arrays of ``k3jax.data.images`` (``vision.max_patches``
+    patch slots per row), split along the batch only."""
     shape = (batch, seq_len)
     sharding = NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
-    return {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
+    out = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
+    if vision is not None and vision.enabled:
+        p, m, side = vision.max_patches, vision.merge_size, vision.patch_size
+        merged = p // (m * m)
+        fields = {"patches": ((batch, p, 3, side, side), jnp.float32), "merge_index": ((batch, merged, m * m), jnp.int32),
+                  "merged_valid": ((batch, merged), jnp.bool_),
+                  **{f: ((batch, p), jnp.int32) for f in ("segment_ids", "rows", "cols", "grid_h", "grid_w")}}
+        for name, (shp, dtype) in fields.items():
+            spec = logical_to_spec(("batch",) + (None,) * (len(shp) - 1), rules, mesh, shp)
+            out[IMAGE_KEY_PREFIX + name] = jax.ShapeDtypeStruct(shp, dtype, sharding=NamedSharding(mesh, spec))
+    return out
 
 
 def without_groups(model: K3Model) -> K3Model:
@@ -254,10 +268,11 @@ def _oom_summary(err: Exception) -> str:
 def _lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
     graphdef, state = abstract_train_state(cfg, model)
     state_sh = state_shardings(state, mesh, rules)
-    args = (abstract_with_shardings(state, state_sh), abstract_batch(mesh, batch, seq_len, rules))
+    args = (abstract_with_shardings(state, state_sh), abstract_batch(mesh, batch, seq_len, rules, cfg.model.vision))
     step = make_train_step(graphdef, cfg)
     step = getattr(step, "__wrapped__", step)  # re-jit the same function with explicit shardings
-    jitted = jax.jit(step, in_shardings=(state_sh, args[1]["tokens"].sharding), out_shardings=(state_sh, None),
+    batch_sh = {k: v.sharding for k, v in args[1].items()}
+    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                      donate_argnums=0)
     with jax.set_mesh(mesh):
         return jitted.lower(*args)

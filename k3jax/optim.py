@@ -367,32 +367,70 @@ def _batched_view(x: jax.Array, dn: MDN):
     return (lambda v: v.transpose(perm).reshape(shape)), (lambda v: v.reshape(unflat).transpose(inverse))
 
 
+def _drop_leading_axis(dn: MDN) -> MDN:
+    """The dimension numbers of ``x[i]`` given those of ``x`` (axis 0 a batch axis)."""
+    def shift(a):
+        return tuple(shift(b) for b in a) if isinstance(a, tuple) else (a - 1 if a >= 0 else a)
+    return MDN(reduction_axis=shift(dn.reduction_axis), output_axis=shift(dn.output_axis))
+
+
 def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95, ns_steps: int = 5,
-                          ns_coeffs=NS_COEFFS, eps: float = 1e-8, nesterov: bool = True,
-                          mu_dtype=None) -> optax.GradientTransformation:
+                          ns_coeffs=NS_COEFFS, eps: float = 1e-8, nesterov: bool = True, mu_dtype=None,
+                          stacked: Callable[[Any], Any] | None = None,
+                          group_max_size: int = 1 << 22) -> optax.GradientTransformation:
     """``optax.contrib.scale_by_muon`` (same momentum, bias correction and Nesterov form) with the
     Newton-Schulz step of :func:`orthogonalize_blocks`. ``dim_nums(updates)`` returns a tree of
-    ``MuonDimensionNumbers`` matching ``updates``."""
+    ``MuonDimensionNumbers`` matching ``updates``.
+
+    ``stacked(updates)`` (optional) marks the leaves whose axis 0 stacks scanned layers: those larger
+    than ``group_max_size`` run their whole update (momentum, Nesterov, Newton-Schulz) one layer at a
+    time under ``lax.map``, so the optimizer's temporaries are one layer's, not the whole stack's
+    (for full K3's 22-group stacks of routed experts that is the difference between fitting and not).
+    """
 
     def init_fn(params):
         return GroupedMuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params, dtype=mu_dtype))
 
     def update_fn(updates, state, params=None):
         del params
-        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count = optax.safe_increment(state.count)
-        if nesterov:
-            mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
-                                  optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
-                                  optax.tree.bias_correction(updates, beta, count))
-        else:
-            mu_hat = optax.tree.bias_correction(mu, beta, count)
-        if mu_dtype is not None:  # Newton-Schulz in the momentum's dtype (bf16 halves its temporaries)
-            mu_hat = optax.tree.cast(mu_hat, mu_dtype)
-        leaves, treedef = jax.tree.flatten(mu_hat)
-        dns = treedef.flatten_up_to(dim_nums(mu_hat))
-        new = orthogonalize_blocks(leaves, dns, ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps)
-        return jax.tree.unflatten(treedef, new), GroupedMuonState(count, optax.tree.cast(mu, mu_dtype))
+
+        def bias_corrected(x, n):  # optax.tree.bias_correction of one array
+            return x / (1 - beta ** n).astype(x.dtype)
+
+        def moments(g, m):  # -> (Newton-Schulz input, new momentum), as optax's scale_by_muon
+            m = (1 - beta) * g + beta * m
+            if nesterov:
+                m_hat = beta * bias_corrected(m, optax.safe_increment(count)) + (1 - beta) * bias_corrected(g, count)
+            else:
+                m_hat = bias_corrected(m, count)
+            if mu_dtype is not None:  # Newton-Schulz in the momentum's dtype (bf16 halves its temporaries)
+                m_hat, m = m_hat.astype(mu_dtype), m.astype(mu_dtype)
+            return m_hat, m
+
+        leaves, treedef = jax.tree.flatten(updates)
+        mus = treedef.flatten_up_to(state.mu)
+        dns = treedef.flatten_up_to(dim_nums(updates))
+        per_layer = treedef.flatten_up_to(stacked(updates)) if stacked is not None else [False] * len(leaves)
+        out, new_mu, batched = [None] * len(leaves), [None] * len(leaves), []
+        for i, (g, m, dn, layered) in enumerate(zip(leaves, mus, dns, per_layer)):
+            if layered and g.size > group_max_size and g.shape[0] > 1:
+                def one_layer(gm, dn=_drop_leading_axis(dn)):
+                    m_hat, m_new = moments(*gm)
+                    return orthogonalize_blocks([m_hat], [dn], ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
+                                                group_max_size=group_max_size)[0], m_new
+
+                out[i], new_mu[i] = jax.lax.map(one_layer, (g, m))
+            else:
+                batched.append(i)
+        hats = {}
+        for i in batched:
+            hats[i], new_mu[i] = moments(leaves[i], mus[i])
+        ns = orthogonalize_blocks([hats[i] for i in batched], [dns[i] for i in batched], ns_coeffs=ns_coeffs,
+                                  ns_steps=ns_steps, eps=eps, group_max_size=group_max_size)
+        for i, x in zip(batched, ns):
+            out[i] = x
+        return jax.tree.unflatten(treedef, out), GroupedMuonState(count, jax.tree.unflatten(treedef, new_mu))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -422,6 +460,9 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     def dim_nums(updates):  # sees the Muon-masked tree: only Muon leaves are visited
         return jax.tree_util.tree_map_with_path(_path_lookup(dims_t, "dimension numbers"), updates)
 
+    def stacked(updates):  # the scanned layer groups' weights: axis 0 is the group
+        return jax.tree_util.tree_map_with_path(lambda path, _: normalize_path(path)[0] == "groups", updates)
+
     def adam_decay_mask(params):
         return jax.tree_util.tree_map_with_path(_path_lookup(decay_t, "decay mask"), params)
 
@@ -430,7 +471,8 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     adam_lr = learning_rate_schedule(cfg, total_steps, peak=adam_peak)
     muon_tx = optax.chain(
         scale_by_grouped_muon(dim_nums, beta=cfg.muon_beta, ns_steps=cfg.ns_steps, nesterov=True,
-                              mu_dtype=None if cfg.muon_dtype == "float32" else jnp.dtype(cfg.muon_dtype)),
+                              mu_dtype=None if cfg.muon_dtype == "float32" else jnp.dtype(cfg.muon_dtype),
+                              stacked=stacked),
         scale_by_shape(weight_dimension_numbers=dim_nums, consistent_rms=CONSISTENT_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(muon_lr),

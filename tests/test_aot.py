@@ -11,6 +11,7 @@ Needs ``jax[tpu]==0.10.2`` (libtpu); skipped otherwise. Run with ``pytest -m tpu
 (about 2 minutes on two cores).
 """
 
+import dataclasses
 import math
 import os
 
@@ -111,3 +112,16 @@ def test_table_and_rules():
     assert aot.TpuSlice.v5p("v5p-1024").num_devices == 512
     with pytest.raises(ValueError, match="unknown slice"):
         aot.TpuSlice.v5p("v5p-3")
+
+
+def test_vision_train_step_compiles_with_the_tower():
+    """The multimodal train step (MoonViT tower + projector + splice, image arrays in the batch) compiles
+    for the slice, and the tower's weights and optimizer state are part of the sharded state."""
+    job = aot.Job("tiny_vl", "train", SLICE, MESH, batch=8, seq_len=96, overrides=("model.layout=mla",))
+    text_only = dataclasses.replace(job, overrides=job.overrides + ("model.vision.enabled=false",))
+    r = aot.compile_job(job, devices=_devices(), flops=False)
+    assert not r.error and r.fits, r.error
+    batch = aot.abstract_batch(aot.make_mesh(MESH, _devices()), 8, 96, vision=job.load().model.vision)
+    assert batch["image_patches"].shape == (8, 64, 3, 8, 8)
+    assert _state_bytes(job) > _state_bytes(text_only)
+    assert r.argument_bytes > 0.8 * _state_bytes(job) / r.num_devices

@@ -1,0 +1,65 @@
+"""train.py as a two-process job on one machine (2 x 2 fake CPU devices, JAX's CPU collectives over
+gloo): ``jax.distributed.initialize`` from the environment, per-process data, a mesh spanning both
+processes, checkpoints written by both, a resume, and the checkpoint read back by one process."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ARGS = ["--sample-tokens", "4", "model.num_layers=5", "train.seq_len=32", "train.batch_size=8", "train.log_every=1",
+        "train.checkpoint_every=2", "mesh.data=2", "mesh.fsdp=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(run_dir, steps: int) -> list[str]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
+                   PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.steps={steps}",
+                                       f"run_dir={run_dir}"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {rank}:\n{out[-4000:]}"
+    return outs
+
+
+@pytest.mark.slow
+def test_two_process_training_checkpoints_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    first = _two_processes(run, steps=3)
+    assert "4 cpu device(s) (mesh {'data': 2, 'fsdp': 2}), 2 process(es)" in first[0]
+    assert "--- sample" in first[0] and "--- sample" not in first[1]  # process 0 alone reports
+    second = _two_processes(run, steps=5)
+    assert all("resumed from" in out and "at step 3" in out for out in second)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == [1, 2, 3, 4, 5]  # one writer: no line twice
+    # Both processes' shards make one checkpoint that a single process reads back whole.
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from flax import nnx
+        from k3jax import checkpoint
+        model, cfg = checkpoint.restore_model({str(run / 'checkpoints')!r})
+        leaves = jax.tree.leaves(nnx.state(model))
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+        print("steps", checkpoint.latest_step({str(run / 'checkpoints')!r}), cfg.mesh.data, cfg.mesh.fsdp)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0 and "steps 5 2 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
