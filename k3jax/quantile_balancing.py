@@ -58,8 +58,12 @@ def router_statistics(scores: jax.Array, threshold: jax.Array, bias: jax.Array, 
         low, high = margin_range(bias.astype(jnp.float32))
         width = (high - low) / num_bins
         idx = jnp.clip(jnp.floor((margins - low) / width).astype(jnp.int32), 0, num_bins - 1)  # [N, n]
-        onehot = jax.nn.one_hot(idx, num_bins, dtype=jnp.float32) * mask[:, None, None]
-        return HistogramStats(jnp.sum(onehot, axis=0), num_tokens, low, high, load)
+        # A scatter-add of the real tokens into [n * bins] (not a one-hot [N, n, bins], which at K3's
+        # 896 experts x 256 bins is ~1 MB per token): exact, float32 counts stay integers below 2^24.
+        flat = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :] * num_bins + idx  # [N, n]
+        weight = jnp.broadcast_to(mask[:, None], idx.shape).astype(jnp.float32)
+        counts = jax.ops.segment_sum(weight.reshape(-1), flat.reshape(-1), num_segments=scores.shape[1] * num_bins)
+        return HistogramStats(counts.reshape(scores.shape[1], num_bins), num_tokens, low, high, load)
     raise ValueError(f"unknown quantile balancing method {method!r}")
 
 
