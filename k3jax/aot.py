@@ -27,7 +27,10 @@ therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group = F - F_no_group
 compiling the same step for the model without its scanned group stack (the optimizer's
 Newton-Schulz of a stacked weight runs under ``lax.map`` over the layers, so it is multiplied
 correctly too; the elementwise optimizer work of the stacked weights, under 0.1%, is over-counted).
-Loops inside a layer are still counted once: the chunked KDA's scan over chunks (its inter-chunk
+Gradient accumulation is one more loop: with ``grad_accum = A > 1`` the FLOPs come from the step
+compiled for one micro-batch (``A = 1``, the same per-device shapes) as ``A * micro - (A - 1) * NS``
+(the optimizer runs once per step; NS, its Newton-Schulz, counted analytically). The memory
+figures are always those of the real accumulating step. Loops inside a layer are still counted once: the chunked KDA's scan over chunks (its inter-chunk
 state recurrence, under 1% of a KDA layer) and blockwise attention over more than one key block.
 ``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
 FLOPs; the ratio shows recompute (remat), attention, routing, the expert-parallel buffers' padding
@@ -159,7 +162,7 @@ class Result:
     temp_bytes: int = 0
     code_bytes: int = 0
     compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
-    step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring)
+    step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring); 0 = not measured
     model_flops: float = 0.0  # 6 (train) or 2 (decode) * N_active * tokens
     ns_flops: float = 0.0  # of step_flops: the optimizer's Newton-Schulz iterations (analytic count)
     compile_seconds: float = 0.0
@@ -299,6 +302,27 @@ def _lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, s
         return jitted.lower(*args)
 
 
+def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: float, ns_flops: float,
+                log) -> float:
+    """All devices' FLOPs of one step with the loop trip counts applied (module docstring).
+
+    With gradient accumulation the micro-batch loop is one more loop XLA counts once, so the FLOPs
+    come from the step compiled for one micro-batch (``grad_accum=1``; same per-device shapes):
+    ``A * micro - (A - 1) * NS``, the optimizer (Newton-Schulz, analytic) running once per step."""
+    accum = cfg.train.grad_accum if job.mode == "train" else 1
+    batch = job.batch // accum
+    if accum > 1:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
+        log(f"  grad_accum={accum}: compiling one micro-batch's step for the FLOPs")
+        per_device = _flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len).compile())
+    groups = abstract_model(cfg.model).plan.num_groups
+    if groups > 1:
+        log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
+        baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, batch, job.seq_len)
+        per_device += (groups - 1) * (per_device - _flops(baseline.compile()))
+    return accum * per_device * mesh.size - (accum - 1) * ns_flops
+
+
 def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, devices=None,
                 log=print) -> Result:
     """Lower and compile ``job`` for its slice; with ``flops``, one more compile without the layer
@@ -325,14 +349,10 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, d
     del compiled, lowered
     n_active = count_params(cfg.model)["active"]
     model_flops = (6 if job.mode == "train" else 2) * n_active * result.tokens
-    step_flops = per_device * mesh.size
-    groups = abstract_model(cfg.model).plan.num_groups
-    if flops and groups > 1:
-        log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
-        baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, job.batch, job.seq_len)
-        per_group = per_device - _flops(baseline.compile())
-        step_flops = (per_device + (groups - 1) * per_group) * mesh.size
     ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
+    step_flops = 0.0
+    if flops:
+        step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
 
 

@@ -84,6 +84,18 @@ def test_train_step_flops(train_result):
     assert r.step_flops > r.compiled_flops * r.num_devices
 
 
+def test_grad_accum_step_flops_count_every_micro_batch(train_result):
+    """XLA counts the micro-batch loop once; the reported step FLOPs count it ``grad_accum`` times
+    (and the optimizer once): two micro-batches of TRAIN's size = twice TRAIN's step less one NS."""
+    job = dataclasses.replace(TRAIN, batch=2 * TRAIN.batch,
+                              overrides=TRAIN.overrides + ("train.grad_accum=2", f"train.batch_size={2 * TRAIN.batch}"))
+    r = aot.compile_job(job, devices=_devices())
+    assert not r.error and r.fits, r.error
+    assert r.model_flops == 2 * train_result.model_flops
+    assert r.step_flops == pytest.approx(2 * train_result.step_flops - train_result.ns_flops, rel=1e-9)
+    assert r.step_flops > 1.9 * r.compiled_flops * r.num_devices  # the accumulating program counts one
+
+
 def test_decode_step_fits_with_sharded_cache(decode_result):
     r = decode_result
     assert not r.error and r.fits, r.error
