@@ -2,8 +2,9 @@
 
 ::
 
-    python -m k3jax.aot                                   # the PLAN below: table + docs/scale.md
-    python -m k3jax.aot --config k3 --mode train --slice v5p-1024 --mesh fsdp=8,expert=64 --batch 512
+    python -m k3jax.aot --write table.md                  # the PLAN below (docs/scale.md holds its table)
+    python -m k3jax.aot --config k3 --mode train --slice v5p-2048 --mesh fsdp=4,sequence=4,expert=64 --batch 256 \
+        train.batch_size=256 model.remat=full model.moe.ep_capacity_factor=2.0 train.optim.muon_dtype=bfloat16
     python -m k3jax.aot --config k3 --mode decode --slice v5p-128 --mesh expert=64 --batch 1 --seq-len 1048576
 
 ``jax[tpu]`` ships libtpu, whose compiler runs without a TPU: ``get_topology_desc`` describes the
@@ -136,15 +137,25 @@ class Job:
         return load_config(self.config, list(self.overrides))
 
 
-# The scale proof (docs/scale.md). Train: the smallest v5p slice that holds full K3's float32 weights,
-# Muon momentum, AdamW moments (embeddings) and gradients with one 4096-token row per device; dense
-# weights FSDP-sharded over (fsdp, expert), routed experts over expert x fsdp. Decode: one 1M-token
-# sequence served from bfloat16 weights (the released checkpoints' precision).
+# The scale proof (docs/scale.md). Train: full K3 (float32 master weights, bf16 Muon momentum, AdamW
+# for embeddings / norms / gates) on the smallest v5p slice it fits, 4096-token rows split over 4
+# sequence shards, remat per layer, expert-parallel buffers at twice the fair share (QB keeps the
+# busiest expert near 1.2x); dense weights FSDP over fsdp x sequence x expert, routed experts over
+# expert x fsdp x sequence. Decode: one 1M-token sequence from bf16 weights, and from MXFP4 experts
+# (the release's format) on half the slice.
+_K3_TRAIN = ("model.remat=full", "model.moe.ep_capacity_factor=2.0", "train.optim.muon_dtype=bfloat16")
 PLAN: tuple[Job, ...] = (
-    Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=8, expert=64), batch=512, seq_len=4096),
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", *_K3_TRAIN)),
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", *_K3_TRAIN, "model.vision.enabled=true", "model.vision.max_patches=4096"),
+        note="+ MoonViT, 1024 image tokens per row"),
     Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
         overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
-    Job("k2", "train", "v5p-512", MeshConfig(data=1, fsdp=4, expert=64), batch=256, seq_len=4096),
+    Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
+        overrides=("model.param_dtype=bfloat16", "quant.experts=mxfp4"), note="MXFP4 experts"),
+    Job("k2", "train", "v5p-1024", MeshConfig(data=1, fsdp=4, expert=64, sequence=2), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", *_K3_TRAIN)),
 )
 
 

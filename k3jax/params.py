@@ -4,11 +4,14 @@ Rule (SPEC §9): *total* is every parameter; *active* is what one token multipli
 everything except the routed experts it does not select (only ``top_k / num_experts`` of each routed
 expert tensor counts) and the input embedding table (a lookup; counted when tied to the head).
 The K2 report counts the embedding as active too; ``active_with_embedding`` gives that figure.
+Weights are counted as weights whatever their storage: a model with MXFP4-packed experts
+(``quant.experts=mxfp4``, two weights per byte plus scales) has the same counts as the bf16 one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -23,6 +26,7 @@ _EMBED_PATH = ("embed",)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
+    cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, experts="none"))  # storage-independent
     model = abstract_model(cfg)
     total = routed = embedding = 0
     for path, var in nnx.iter_graph(model):

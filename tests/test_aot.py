@@ -137,3 +137,15 @@ def test_vision_train_step_compiles_with_the_tower():
     assert batch["image_patches"].shape == (8, 64, 3, 8, 8)
     assert _state_bytes(job) > _state_bytes(text_only)
     assert r.argument_bytes > 0.8 * _state_bytes(job) / r.num_devices
+
+
+def test_plan_jobs_are_consistent():
+    """Every job of the scale proof loads, uses its whole slice, and splits its batch evenly."""
+    for job in aot.PLAN:
+        cfg = job.load()
+        sizes = [getattr(job.mesh, a) for a in aot.MESH_AXES]
+        assert math.prod(sizes) == aot.TpuSlice.v5p(job.slice).num_devices, job
+        if job.mode == "train":
+            data = job.mesh.data * job.mesh.fsdp * job.mesh.expert
+            assert cfg.train.batch_size == job.batch and job.batch % (cfg.train.grad_accum * data) == 0, job
+            assert job.seq_len % (job.mesh.sequence * cfg.model.kda.chunk_size) == 0, job
