@@ -154,8 +154,8 @@ PLAN: tuple[Job, ...] = (
         overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
     Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
         overrides=("model.param_dtype=bfloat16", "quant.experts=mxfp4"), note="MXFP4 experts"),
-    Job("k2", "train", "v5p-1024", MeshConfig(data=1, fsdp=4, expert=64, sequence=2), batch=256, seq_len=4096,
-        overrides=("train.batch_size=256", *_K3_TRAIN)),
+    Job("k2", "train", "v5p-512", MeshConfig(data=1, fsdp=2, expert=64, sequence=2), batch=128, seq_len=4096,
+        overrides=("train.batch_size=128", *_K3_TRAIN)),
 )
 
 
