@@ -98,12 +98,12 @@ def _evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
     return nll / max(count, 1.0)
 
 
-def _init_weights(model, source: str, mesh) -> None:
+def _init_weights(model, source: str, mesh=None) -> None:
     """Copy the model weights (and router-bias state) of another run's latest checkpoint into
     ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
     src = pathlib.Path(source)
     loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src,
-                                         mesh=mesh if mesh.size > 1 else None)
+                                         mesh=mesh if mesh is not None and mesh.size > 1 else None)
     want, got = nnx.state(model), nnx.state(loaded)
     layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
     if layout(want) != layout(got):
