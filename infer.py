@@ -1,5 +1,8 @@
 """Generate text with a trained k3jax model: ``python infer.py [--checkpoint PATH] --prompt "..."``.
 
+``--serve`` serves it instead: an OpenAI-compatible HTTP API with continuous batching
+(``k3jax/serving``; ``--host``, ``--port``, ``--max-batch``, ``--max-len``, ...).
+
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
 unless ``--step``) or a run directory containing one, or a Hugging Face model directory (e.g. a
 ``to_hf`` / ``k3jax.convert`` export; MXFP4-packed experts stay packed and are dequantized on the
@@ -28,6 +31,8 @@ from k3jax import checkpoint, distributed
 from k3jax.config import Config, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
+from k3jax.serving.server import add_arguments as add_serve_arguments
+from k3jax.serving.server import serve
 from k3jax.sharding import make_mesh, parse_mesh, use_mesh
 
 DEFAULT_RUN = pathlib.Path("runs/default")
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", help="checkpoint or run directory (default: runs/default)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", help="the text to continue (required unless --serve)")
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image shown before the prompt (repeatable; needs a vision model)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
@@ -102,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
                     "sequence, tensor (unlisted: 1; -1 fills); default: weights split over all devices")
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
                     help="multi-host start-up (jax.distributed.initialize; k3jax/distributed.py)")
+    add_serve_arguments(ap)
     args = ap.parse_args(argv)
+    if args.prompt is None and not args.serve:
+        ap.error("the following arguments are required: --prompt (or --serve)")
 
     distributed.initialize(args.distributed)
     try:
@@ -121,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(args.tokenizer or (str(ckpt) if hf else cfg.train.data.tokenizer))
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    if args.serve:
+        return serve(model, tokenizer, args, name=cfg.name, mesh=mesh)
     images = None
     if args.image:
         if not cfg.model.vision.enabled:

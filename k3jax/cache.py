@@ -85,6 +85,60 @@ def init_cache(cfg: ModelConfig, plan, batch: int, max_len: int) -> ModelCache:
                       valid=jnp.zeros((batch, max_len), bool))
 
 
+def _move_slots(x: jax.Array, slot_axis: int, shift, size: int) -> jax.Array:
+    """``x`` with slot ``s`` moved to ``s + shift`` along ``slot_axis`` and ``size`` slots out; slots
+    with no source are zero (False)."""
+    src = jnp.arange(size, dtype=jnp.int32) - shift
+    inside = (src >= 0) & (src < x.shape[slot_axis])
+    moved = jnp.take(x, jnp.clip(src, 0, x.shape[slot_axis] - 1), axis=slot_axis)
+    return jnp.where(inside.reshape((-1,) + (1,) * (x.ndim - slot_axis - 1)), moved, jnp.zeros((), x.dtype))
+
+
+def _layer_caches(cache: ModelCache):
+    """(layer cache, batch axis) for every layer: the scanned groups' caches lead with the group axis."""
+    return [(c, 0) for c in cache.prefix] + [(c, 1) for c in cache.groups] + [(c, 0) for c in cache.suffix]
+
+
+def _rebuild(cache: ModelCache, layers: list, **fields) -> ModelCache:
+    n, g = len(cache.prefix), len(cache.groups)
+    return cache._replace(prefix=tuple(layers[:n]), groups=tuple(layers[n:n + g]), suffix=tuple(layers[n + g:]),
+                          **fields)
+
+
+def shift_slots(cache: ModelCache, shift) -> ModelCache:
+    """Every row's slots moved by ``shift`` (an int, traced or not): slot ``s`` -> ``s + shift``, and
+    ``length`` with them. Slots moved past either end are dropped (the caller keeps every row's valid
+    slots inside). Decoding is unchanged by the move: MLA reads slots only through ``valid`` and the
+    causal mask against the write position (all of a row's slots precede it), and rope keys are
+    stored already rotated at their token positions. KDA states and conv tails have no slots.
+    """
+    layers = [type(c)(*(_move_slots(x, b + 1, shift, x.shape[b + 1]) for x in c)) if isinstance(c, MLACache) else c
+              for c, b in _layer_caches(cache)]
+    return _rebuild(cache, layers, length=cache.length + shift,
+                    valid=_move_slots(cache.valid, 1, shift, cache.max_len))
+
+
+def write_row(cache: ModelCache, row, src: ModelCache, shift) -> ModelCache:
+    """``cache`` with row ``row`` (an int, traced or not) replaced by the one row of ``src`` (a batch-1
+    cache of the same model, any number of slots), its slots moved by ``shift`` as in
+    :func:`shift_slots`: a prefilled request joins a running batch whose write position is
+    ``cache.length`` when ``shift = cache.length - src.length``. ``cache.length`` is unchanged."""
+
+    def put(dst, x, batch_axis, slot_axis):
+        x = jnp.take(x, 0, axis=batch_axis)
+        if slot_axis is not None:
+            x = _move_slots(x, slot_axis - 1, shift, dst.shape[slot_axis])
+        index = (slice(None),) * batch_axis + (row,)
+        return dst.at[index].set(x.astype(dst.dtype))
+
+    layers = []
+    for (c, b), (s, _) in zip(_layer_caches(cache), _layer_caches(src)):
+        slot_axis = b + 1 if isinstance(c, MLACache) else None
+        layers.append(type(c)(*(put(d, x, b, slot_axis) for d, x in zip(c, s))))
+    return _rebuild(cache, layers, positions=cache.positions.at[row].set(src.positions[0]),
+                    valid=put(cache.valid, src.valid, 0, 1))
+
+
 def cache_bytes(cache: ModelCache) -> int:
     """Memory of a cache in bytes."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))

@@ -1,0 +1,13 @@
+"""Serving: an OpenAI-compatible HTTP server with continuous batching (``python infer.py --serve``).
+
+- ``engine``: the pool of cache rows and the background decode loop (continuous batching);
+- ``sampling``: per-row temperature / top-p sampling;
+- ``text``: chat prompts, incremental detokenisation with stop strings;
+- ``api``: the FastAPI app, OpenAI request / response schemas and validation;
+- ``metrics``: Prometheus counters, gauges and the time-to-first-token histogram;
+- ``server``: command-line options and the uvicorn start.
+"""
+
+from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
+
+__all__ = ["Engine", "QueueFull", "SamplingParams", "Sequence"]

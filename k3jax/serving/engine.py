@@ -1,0 +1,371 @@
+"""Continuous batching: a fixed pool of cache rows decoded together by one background thread.
+
+The pool is one ``ModelCache`` of ``max_batch`` rows and ``max_len`` slots, advanced by the same
+``model(tokens, cache=...)`` forward that training and ``k3jax.generate`` use, one token for every
+row per step. Rows share the cache's write position (``cache.length``): each row holds its tokens
+in the slots just before it, the slots before those marked invalid, exactly as ``generate``
+left-pads a ragged batch. A request's lifecycle:
+
+1. ``submit`` puts it in a bounded queue (full: ``QueueFull``, which the API answers with 503).
+2. When a row is free, its prompt is prefilled into a batch-1 cache, ``prefill_chunk`` tokens per
+   call (left-padded to a whole number of chunks: padding is a no-op for every layer), one chunk
+   between two decode steps, so a long prompt does not stall the running streams.
+3. The prefilled cache is written into the free row with its slots moved to end at the pool's
+   write position (``cache.write_row``); when the position is too small for the prompt, or reaches
+   the end of the slots, every row is moved at once (``cache.shift_slots``, exact).
+4. Each decode step samples every row's next token from its last logits (per-row temperature,
+   top-p and key) and feeds it back; the host reads the tokens, streams them, and frees a row as
+   soon as its request stops, reaches ``max_tokens`` or is cancelled.
+
+All device programs have fixed shapes (pool, chunk, row index and shifts are traced), so each
+compiles once, whatever requests come and go.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.cache import init_cache, shift_slots, write_row
+from k3jax.model import K3Model
+from k3jax.serving.metrics import Metrics
+from k3jax.serving.sampling import sample_rows
+from k3jax.sharding import cache_shardings, use_mesh
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Every cache row is busy and the waiting queue is full."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh seed per request
+    stop_ids: tuple[int, ...] = ()  # generation ends after one of these (not passed to on_token)
+
+
+class Sequence:
+    """One request inside the engine. ``on_token(id)`` and ``on_finish(reason)`` are called from the
+    engine thread; ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``."""
+
+    def __init__(self, prompt, params: SamplingParams, on_token: Callable[[int], None],
+                 on_finish: Callable[[str], None]):
+        self.prompt = [int(t) for t in prompt]
+        self.params = params
+        self.on_token, self.on_finish = on_token, on_finish
+        self.generated: list[int] = []
+        self.cancelled: str | None = None  # the finish reason to report once the engine drops it
+        self.finish_reason: str | None = None
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+
+
+@dataclasses.dataclass
+class _Prefill:
+    seq: Sequence
+    tokens: np.ndarray  # [1, chunks * P] left-padded prompt
+    valid: np.ndarray  # [1, chunks * P]
+    cache: object
+    done: int = 0  # chunks run so far
+    last: object = None  # last logits [1, V]
+
+
+class Engine:
+    """The slot pool and its decode loop (see the module docstring). ``mesh``: the device mesh the
+    model is laid out on (None or one device: unsharded)."""
+
+    def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
+                 max_queue: int = 64, mesh=None, metrics: Metrics | None = None):
+        cfg = model.cfg
+        self.max_len = int(max_len or cfg.max_seq_len)
+        if not 2 <= self.max_len <= cfg.max_seq_len:
+            raise ValueError(f"max_len must be in [2, model.max_seq_len={cfg.max_seq_len}], got {self.max_len}")
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+        self.vocab_size = cfg.vocab_size
+        self.metrics = metrics or Metrics()
+        self.metrics.max_slots = max_batch
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self._build(model)
+        self._reset()
+        self._queue: collections.deque[Sequence] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
+
+    # --- device programs ---------------------------------------------------------------------------
+    def _build(self, model: K3Model):
+        cfg, plan, c, p, b = model.cfg, model.plan, self.max_len, self.prefill_chunk, self.max_batch
+        graphdef, self._state = nnx.split(model)
+        # The prefill cache has a chunk more slots than a request may use: a left-padded prompt of
+        # up to max_len - 1 tokens fills whole chunks. Slots are not positions, so the model's
+        # max_seq_len (a position limit) does not bound them.
+        wide = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, c + p))
+
+        def empty_pool():
+            return init_cache(cfg, plan, b, c)
+
+        def empty_one():
+            return init_cache(wide, plan, 1, c + p)
+
+        def prefill(state, cache, tokens, valid):
+            logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
+            return logits[:, -1], cache
+
+        def insert(pool, logits, keys, row, one, last, seed):
+            pool = write_row(pool, row, one, pool.length - one.length)
+            return pool, logits.at[row].set(last[0]), keys.at[row].set(jax.random.key(seed))
+
+        def realign(pool, shift):
+            return shift_slots(pool, shift)
+
+        def decode(state, pool, logits, keys, temperature, top_p, active):
+            pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
+            tokens = sample_rows(logits, pairs[:, 1], temperature, top_p)
+            tokens = jnp.where(active, tokens, 0)
+            logits, pool = nnx.merge(graphdef, state)(tokens[:, None], cache=pool, token_valid=active[:, None])
+            return tokens, logits[:, -1], pairs[:, 0], pool
+
+        if self.mesh is None:
+            jit = jax.jit
+            pool_sh = one_sh = rep = None
+        else:  # fixed output layouts: a step's outputs are the next step's inputs, never a new signature
+            pool_sh = cache_shardings(jax.eval_shape(empty_pool), self.mesh)
+            one_sh = cache_shardings(jax.eval_shape(empty_one), self.mesh)
+            rep = NamedSharding(self.mesh, PartitionSpec())
+
+            def jit(fn, out_shardings, **kw):
+                return jax.jit(fn, out_shardings=out_shardings, **kw)
+        self._empty_pool = jit(empty_pool, out_shardings=pool_sh)
+        self._empty_one = jit(empty_one, out_shardings=one_sh)
+        self._prefill_fn = jit(prefill, out_shardings=(rep, one_sh), donate_argnums=(1,))
+        self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
+        self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
+        self._decode_fn = jit(decode, out_shardings=(rep, rep, rep, pool_sh), donate_argnums=(1, 2, 3))
+        zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
+                                 jax.random.split(jax.random.key(0), b)),
+                        **({} if rep is None else {"out_shardings": (rep, rep)}))
+        self._init_rows = zeros
+
+    def _reset(self):
+        """Empty pool; every row free."""
+        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            self._pool = self._empty_pool()
+            self._logits, self._keys = self._init_rows()
+        self._rows: list[Sequence | None] = [None] * self.max_batch
+        self._filled = np.zeros(self.max_batch, np.int64)  # tokens of each row in the pool
+        self._temperature = np.zeros(self.max_batch, np.float32)
+        self._top_p = np.ones(self.max_batch, np.float32)
+        self._length = 0  # the pool's write position (host copy of pool.length)
+        self._prefill: _Prefill | None = None
+
+    # --- the client side (any thread) ----------------------------------------------------------------
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError when a request cannot fit in a row."""
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.max_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                             f"{self.max_len} tokens")
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request (``ValueError`` when it cannot fit, ``QueueFull`` when the queue is full)."""
+        self.check(len(seq.prompt), seq.params.max_tokens)
+        bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            if len(self._queue) >= self.max_queue and not self._has_free_row():
+                raise QueueFull(f"{len(self._queue)} requests are waiting for one of {self.max_batch} slots")
+            self._queue.append(seq)
+            self.metrics.gauges(self.active_count(), len(self._queue))
+            self._cond.notify()
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Stop a request (queued, prefilling or decoding); its row is freed before the next step.
+        ``reason``: what it counts as in the metrics (``stop`` when the API found a stop string)."""
+        seq.cancelled = seq.cancelled or reason
+        with self._cond:
+            self._cond.notify()
+
+    def active_count(self) -> int:
+        return sum(r is not None for r in self._rows) + (self._prefill is not None)
+
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def _has_free_row(self) -> bool:
+        return self.active_count() + len(self._queue) < self.max_batch
+
+    def start(self) -> "Engine":
+        """Start the decode loop (once; later calls do nothing)."""
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the engine thread ---------------------------------------------------------------------------
+    def _run(self):
+        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._queue or self._prefill or any(self._rows)):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                try:
+                    self._iteration()
+                except Exception:  # a failed device call: fail what is in flight, keep serving
+                    log.exception("engine step failed; failing the requests in flight")
+                    for seq in [*self._rows, self._prefill.seq if self._prefill else None]:
+                        if seq is not None:
+                            self._finish(seq, "error")
+                    self._reset()
+            for seq in [*self._rows, self._prefill.seq if self._prefill else None, *self._queue]:
+                if seq is not None:
+                    self._finish(seq, "cancelled")
+
+    def _iteration(self):
+        self._reap_cancelled()
+        if self._prefill is None and None in self._rows:
+            with self._cond:
+                seq = self._queue.popleft() if self._queue else None
+            if seq is not None:
+                self._start_prefill(seq)
+        if self._prefill is not None:
+            self._prefill_chunk()
+            # nothing decoding: no stream to keep waiting, run the whole prompt
+            while self._prefill is not None and not any(self._rows):
+                self._prefill_chunk()
+        if any(self._rows):
+            self._decode_step()
+        self.metrics.gauges(self.active_count(), len(self._queue))
+
+    def _reap_cancelled(self):
+        for r, seq in enumerate(self._rows):
+            if seq is not None and seq.cancelled:
+                self._rows[r] = None
+                self._finish(seq, seq.cancelled)
+        if self._prefill is not None and self._prefill.seq.cancelled:
+            self._finish(self._prefill.seq, self._prefill.seq.cancelled)
+            self._prefill = None
+        with self._cond:
+            cancelled = [s for s in self._queue if s.cancelled]
+            for seq in cancelled:
+                self._queue.remove(seq)
+        for seq in cancelled:
+            self._finish(seq, seq.cancelled)
+
+    def _start_prefill(self, seq: Sequence):
+        n, p = len(seq.prompt), self.prefill_chunk
+        padded = -(-n // p) * p
+        tokens = np.zeros((1, padded), np.int32)
+        tokens[0, padded - n:] = seq.prompt
+        valid = np.zeros((1, padded), bool)
+        valid[0, padded - n:] = True
+        self._prefill = _Prefill(seq, tokens, valid, self._empty_one())
+
+    def _prefill_chunk(self):
+        job, p = self._prefill, self.prefill_chunk
+        i = job.done * p
+        job.last, job.cache = self._prefill_fn(self._state, job.cache, job.tokens[:, i:i + p], job.valid[:, i:i + p])
+        job.done += 1
+        if job.done * p == job.tokens.shape[1]:
+            self._insert(job)
+            self._prefill = None
+
+    def _insert(self, job: _Prefill):
+        seq, n = job.seq, len(job.seq.prompt)
+        if self._length < n:  # the row's tokens must all precede the write position
+            self._realign(n - self._length)
+        row = self._rows.index(None)
+        params = seq.params
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        self._pool, self._logits, self._keys = self._insert_fn(self._pool, self._logits, self._keys, np.int32(row),
+                                                               job.cache, job.last, np.uint32(seed % 2**32))
+        self._rows[row], self._filled[row] = seq, n
+        self._temperature[row], self._top_p[row] = params.temperature, params.top_p
+        self.metrics.tokens(prompt=n)
+
+    def _realign(self, shift: int):
+        self._pool = self._realign_fn(self._pool, np.int32(shift))
+        self._length += shift
+        self.metrics.realigned()
+
+    def _decode_step(self):
+        active = np.array([r is not None for r in self._rows])
+        if self._length >= self.max_len:  # out of slots: move every row back to the start
+            self._realign(int(self._filled[active].max()) - self._length)
+        tokens, self._logits, self._keys, self._pool = self._decode_fn(
+            self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active)
+        self._length += 1
+        tokens = np.asarray(tokens)
+        now = time.monotonic()
+        generated = 0
+        for r, seq in enumerate(self._rows):
+            if seq is None:
+                continue
+            self._filled[r] += 1
+            token = int(tokens[r])
+            seq.generated.append(token)
+            generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.first_token(now - seq.arrival)
+            reason = None
+            if token in seq.params.stop_ids:
+                reason = "stop"
+            else:
+                seq.on_token(token)
+                if len(seq.generated) >= seq.params.max_tokens:
+                    reason = "length"
+            if reason is not None:
+                self._rows[r] = None
+                self._finish(seq, reason)
+        self.metrics.tokens(generated=generated)
+        self.metrics.step(self.active_count(), len(self._queue))
+
+    def _finish(self, seq: Sequence, reason: str):
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        self.metrics.request_done(reason)
+        try:
+            seq.on_finish(reason)
+        except Exception:
+            log.exception("on_finish callback failed")
+
