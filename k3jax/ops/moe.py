@@ -1,10 +1,17 @@
 """MoE routing and dropless grouped-expert compute (the reference for the Pallas dispatch kernel).
 
-Tokens are sorted by expert and run through ``jax.lax.ragged_dot``, so on TPU and GPU the FLOPs scale
-with top-k, not with the number of experts, and no token is ever dropped. (XLA:CPU has no ragged
-matmul: jax lowers it to a dense masked matmul over all groups, so CPU cost grows with E.)
+(token, expert) pairs are sorted by expert and each expert runs over its rows only, so the FLOPs
+scale with top-k, not with the number of experts, and no pair is ever dropped. How, depends on the
+platform the program is lowered for (``jax.lax.platform_dependent``: the compile target, e.g. TPU for
+an AOT compile on a CPU host, not the host's backend):
+
+- TPU, GPU: ``jax.lax.ragged_dot`` (a native ragged matmul on TPU).
+- CPU: XLA:CPU has no ragged matmul (jax lowers ``ragged_dot`` to a dense masked matmul over all
+  groups, E/k times the routed work), so each expert's rows are padded to a multiple of a small tile
+  and the tiles run as one batched matmul against their expert's weights (:func:`tiled_glu`).
 """
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -69,15 +76,89 @@ def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: j
     expert 0, the next ``group_sizes[1]`` through expert 1, ...
 
     xs ``[M, D]``, group_sizes ``[E]`` int32, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]`` ->
-    ``[M, D]`` in xs's dtype. Rows past ``sum(group_sizes)`` belong to no expert (XLA:CPU returns
-    zeros there; other backends may not, so callers with such rows mask them). ``act_quant`` (e.g. MXFP8
+    ``[M, D]`` in xs's dtype. Rows past ``sum(group_sizes)`` belong to no expert (CPU returns zeros
+    there; other backends may not, so callers with such rows mask them). ``act_quant`` (e.g. MXFP8
     fake quantization) is applied to the input of each matmul stage: xs and the GLU output.
     """
     if act_quant is not None:  # quantize both matmul stages' inputs (MXFP8, k3jax/quant); per row
         xs = act_quant(xs)
+    kw = dict(activation=activation, beta=beta, linear_beta=linear_beta, act_quant=act_quant)
+    return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down,
+                                      cpu=functools.partial(tiled_glu, **kw),
+                                      default=functools.partial(_ragged_dot_glu, **kw))
+
+
+def _ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, linear_beta, act_quant):
+    """``ragged_glu`` by ``jax.lax.ragged_dot`` (xs already quantized)."""
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
     h = glu(gate, up, activation, beta, linear_beta)
     if act_quant is not None:
         h = act_quant(h)
     return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+# Fetching one tile's expert weights costs about as much as this many rows of its matmuls (XLA:CPU;
+# measured at the tiny and small configs' shapes): the tile size trades that against padding.
+_TILE_FETCH_ROWS = 8
+_TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def tile_plan(rows: int, num_experts: int) -> tuple[int, int]:
+    """``(tile, num_tiles)`` for :func:`tiled_glu` over ``rows`` grouped rows: the tile size minimising
+    padded rows + ``_TILE_FETCH_ROWS`` x tiles in the worst case, and that worst case's tile count.
+
+    Each non-empty group wastes less than one tile, and at most ``min(E, rows)`` groups are non-empty,
+    so ``(rows + min(E, rows) * (tile - 1)) // tile`` tiles always suffice.
+    """
+    def tiles(t):
+        return (rows + min(num_experts, rows) * (t - 1)) // t
+
+    tile = min(_TILE_SIZES, key=lambda t: (tiles(t) * (t + _TILE_FETCH_ROWS), t))
+    return tile, tiles(tile)
+
+
+def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+              *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
+              act_quant: Callable[[jax.Array], jax.Array] | None = None, tile: int | None = None) -> jax.Array:
+    """``ragged_glu`` as padded tiles (xs already quantized): FLOPs ~ the routed rows, not rows x E.
+
+    Group e's rows are cut into ``ceil(group_sizes[e] / tile)`` tiles of ``tile`` rows (the last one
+    zero-padded); tile i runs ``[tile, D] @ w[expert_i]`` in one batched matmul over all tiles, whose
+    count is static (the worst case of :func:`tile_plan`; unused tiles are all padding). Rows past
+    ``sum(group_sizes)`` get zeros. Shapes as ``ragged_glu``; ``tile`` None = :func:`tile_plan`'s.
+    """
+    m = xs.shape[0]
+    e = w_gate.shape[0]
+    if tile is None:
+        tile, num_tiles = tile_plan(m, e)
+    else:
+        num_tiles = (m + min(e, m) * (tile - 1)) // tile
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)  # no group runs past the rows
+    sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    first_row = jnp.cumsum(sizes) - sizes  # [E] first row of each group
+    tiles = (sizes + tile - 1) // tile  # [E] tiles of each group
+    tile_end = jnp.cumsum(tiles)
+    first_tile = tile_end - tiles  # [E]
+    # tile -> (expert, first row); tiles past the last group's are padding (expert = E)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # [T]
+    ex = jnp.minimum(tile_expert, e - 1)
+    offset = (t - first_tile[ex]) * tile  # of the tile's first row within its group
+    filled = jnp.where(tile_expert < e, jnp.clip(sizes[ex] - offset, 0, tile), 0)  # [T] real rows
+    slot = jnp.arange(tile, dtype=jnp.int32)
+    real = slot < filled[:, None]  # [T, tile]
+    src = jnp.where(real, (first_row[ex] + offset)[:, None] + slot, 0)
+    x = jnp.where(real[..., None], jnp.take(xs, src, axis=0), jnp.zeros((), xs.dtype))  # [T, tile, D]
+    w_g, w_u, w_d = (jnp.take(w, ex, axis=0) for w in (w_gate, w_up, w_down))  # [T, D, F], [T, F, D]
+    h = glu(jnp.einsum("tsd,tdf->tsf", x, w_g), jnp.einsum("tsd,tdf->tsf", x, w_u), activation, beta, linear_beta)
+    if act_quant is not None:
+        h = act_quant(h)
+    y = jnp.einsum("tsf,tfd->tsd", h, w_d).reshape(num_tiles * tile, w_down.shape[-1])  # [T * tile, D]
+    # row -> its padded position
+    r = jnp.arange(m, dtype=jnp.int32)
+    row_expert = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # [M]
+    rx = jnp.minimum(row_expert, e - 1)
+    owned = row_expert < e
+    pos = jnp.where(owned, first_tile[rx] * tile + r - first_row[rx], 0)
+    return jnp.where(owned[:, None], jnp.take(y, pos, axis=0), jnp.zeros((), y.dtype))
