@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -60,6 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from k3jax import breakdown as hlo_breakdown  # noqa: E402
 from k3jax.config import Config, MeshConfig, VisionConfig, load_config  # noqa: E402
 from k3jax.data.images import IMAGE_KEY_PREFIX  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
@@ -73,6 +75,9 @@ GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
 # quotes); Cloud TPU documents 95 GiB usable of 96 GiB physical per chip.
 V5P_HBM_BYTES = int(95.74 * GIB)
+# v5p per chip (Cloud TPU's published figures): 459 TFLOP/s bf16, 4,800 Gbit/s of ICI over its links.
+V5P_PEAK_FLOPS = 459e12
+V5P_ICI_BYTES_PER_S = 4800e9 / 8
 # v5p slices as Cloud TPU names them (v5p-N: N TensorCores = 2 per chip) -> chips per dimension.
 # A v5p chip is one JAX device (megacore: its two TensorCores act as one).
 V5P_SHAPES = {
@@ -178,6 +183,8 @@ class Result:
     ns_flops: float = 0.0  # of step_flops: the optimizer's Newton-Schulz iterations (analytic count)
     compile_seconds: float = 0.0
     error: str = ""
+    breakdown: hlo_breakdown.Breakdown | None = None  # per device, from the optimized HLO (--breakdown)
+    analytic: dict | None = None  # all devices' analytic FLOPs per part (hlo_breakdown.analytic_step_flops)
 
     @property
     def total_bytes(self) -> int:
@@ -334,10 +341,12 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
     return accum * per_device * mesh.size - (accum - 1) * ns_flops
 
 
-def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, devices=None,
-                log=print) -> Result:
+def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
+                devices=None, log=print) -> Result:
     """Lower and compile ``job`` for its slice; with ``flops``, one more compile without the layer
-    stack gives the step's FLOPs with the loop trip counts applied."""
+    stack gives the step's FLOPs with the loop trip counts applied. With ``breakdown`` the optimized
+    HLO is attributed to the model's parts instead (``k3jax.breakdown``: matmul FLOPs with trip counts,
+    kernels included, HBM and collective bytes), which needs no second compile."""
     cfg = job.load()
     tpu = TpuSlice.v5p(job.slice)
     mesh = make_mesh(job.mesh, tpu.devices() if devices is None else devices)
@@ -357,14 +366,52 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, d
     seconds = time.perf_counter() - t0
     per_device = _flops(compiled)
     result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
+    parts = hlo_breakdown.breakdown(compiled.as_text()) if breakdown else None
     del compiled, lowered
     n_active = count_params(cfg.model)["active"]
     model_flops = (6 if job.mode == "train" else 2) * n_active * result.tokens
     ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
     step_flops = 0.0
-    if flops:
+    if parts is not None:
+        step_flops = parts.total_flops * mesh.size
+        analytic = hlo_breakdown.analytic_step_flops(cfg, result.tokens, job.seq_len, train=job.mode == "train")
+        if ns_flops:
+            analytic["newton_schulz"] = ns_flops
+        result = dataclasses.replace(result, breakdown=parts, analytic=analytic)
+    elif flops:
         step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
+
+
+def breakdown_report(r: Result) -> tuple[str, dict]:
+    """The per-part table (per device) and its JSON, with the step's ratios and the time of its
+    collectives at v5p ICI bandwidth next to its compute at peak."""
+    b, n = r.breakdown, r.num_devices
+    ns = b.part_flops("newton_schulz")
+    model = r.model_flops / n
+    attention = sum(hlo_breakdown.attention_flops_per_token(r.job.load().model, r.job.seq_len).values())
+    attention *= (3 if r.job.mode == "train" else 1) * r.tokens / n
+    compute_s = b.total_flops / V5P_PEAK_FLOPS
+    comm_s = sum(b.collective_bytes.values()) / V5P_ICI_BYTES_PER_S
+    summary = {
+        "flops_per_device": b.total_flops, "model_flops_per_device": model,
+        "ratio_without_ns": (b.total_flops - ns) / model if model else float("nan"),
+        "ratio_without_ns_with_attention": (b.total_flops - ns) / (model + attention) if model else float("nan"),
+        "ns_flops_per_device": ns, "ns_analytic_per_device": r.ns_flops / n,
+        "ns_ratio": ns / (r.ns_flops / n) if r.ns_flops else float("nan"),
+        "attributed_share": b.attributed_share,
+        "compute_s_at_peak": compute_s, "collective_s_at_ici": comm_s,
+        "collective_bytes": dict(b.collective_bytes), "memory_gib": r.total_bytes / GIB,
+    }
+    lines = [hlo_breakdown.table(b, r.analytic, devices=n), "",
+             "| collective | GB per device | s at ICI |", "|---|---|---|"]
+    lines += [f"| {k} | {v / 1e9:.2f} | {v / V5P_ICI_BYTES_PER_S:.3f} |" for k, v in sorted(b.collective_bytes.items())]
+    lines += ["", f"FLOPs / (6 or 2) N_active tokens, Newton-Schulz apart: {summary['ratio_without_ns']:.2f} "
+              f"({summary['ratio_without_ns_with_attention']:.2f} with attention in the denominator); Newton-Schulz "
+              f"{summary['ns_ratio']:.2f}x its analytic count per device; {b.attributed_share:.1%} attributed; "
+              f"compute at peak {compute_s:.2f} s, collectives at ICI {comm_s:.2f} s"]
+    return "\n".join(lines), {**b.to_json(), "summary": summary, "analytic_per_device":
+                              {k: v / n for k, v in (r.analytic or {}).items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, help="global rows (default: one per device for train, 1 for decode)")
     ap.add_argument("--seq-len", type=int, help="train: tokens per row (default train.seq_len); decode: context")
     ap.add_argument("--no-flops", action="store_true", help="skip the extra compile for the per-group FLOPs")
+    ap.add_argument("--breakdown", nargs="?", const="", metavar="JSON", help="attribute the compiled step's FLOPs, "
+                    "HBM and collective bytes to the model's parts (k3jax/breakdown.py); print the table, and write "
+                    "the JSON to this path if given")
     ap.add_argument("--write", metavar="PATH", help="also write the table to this Markdown file")
     ap.add_argument("--xla-dump", metavar="DIR", help="write XLA's dumps there (per program: the optimized HLO and "
                     "*memory-usage-report.txt, the largest buffers; written even when the program does not fit)")
@@ -434,9 +484,15 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for job in jobs:
         print(f"{job.config} {job.mode} on {job.slice} ({_mesh_str(dataclasses.asdict(job.mesh))}):", flush=True)
-        r = compile_job(job, flops=not args.no_flops, log=lambda s: print(s, flush=True))
+        r = compile_job(job, flops=not args.no_flops, breakdown=args.breakdown is not None,
+                        log=lambda s: print(s, flush=True))
         print(f"  {'fits' if r.fits else 'DOES NOT FIT'}: {_gib(r.total_bytes)} GiB of {_gib(r.hbm_bytes)}"
               f"{' (' + r.error + ')' if r.error else ''}; {r.compile_seconds:.0f} s", flush=True)
+        if r.breakdown is not None:
+            text, data = breakdown_report(r)
+            print(text, flush=True)
+            if args.breakdown:
+                pathlib.Path(args.breakdown).write_text(json.dumps(data, indent=1, default=float) + "\n")
         results.append(r)
     text = table(results)
     print(text)

@@ -100,6 +100,10 @@ class DecoderLayer(nnx.Module):
             self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
 
     def _mix(self, h, ctx: "_Context", cache):
+        with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.breakdown
+            return self._mix_unscoped(h, ctx, cache)
+
+    def _mix_unscoped(self, h, ctx: "_Context", cache):
         if self.kind[0] == "kda":
             return self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
                               token_valid=ctx.token_valid)
@@ -108,7 +112,8 @@ class DecoderLayer(nnx.Module):
 
     def _ffn(self, h, ctx: "_Context"):
         if self.kind[1] == "dense":
-            return self.ffn(self.ffn_norm(h)), None
+            with jax.named_scope("dense_ffn"):
+                return self.ffn(self.ffn_norm(h)), None
         return self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
@@ -119,13 +124,16 @@ class DecoderLayer(nnx.Module):
             h = carry + y.astype(carry.dtype)
             y, stats = self._ffn(h, ctx)
             return h + y.astype(h.dtype), stats, cache
-        state = carry
-        h = self.attn_res_mix(state)
-        state = attn_res.close_block(state, layer_idx % self.attn_res.block_size == 0)
+        with jax.named_scope("attn_res"):
+            h = self.attn_res_mix(carry)
+            state = attn_res.close_block(carry, layer_idx % self.attn_res.block_size == 0)
         y, cache = self._mix(h, ctx, cache)
-        state = attn_res.add(state, y)
-        y, stats = self._ffn(self.ffn_res_mix(state), ctx)
-        return attn_res.add(state, y), stats, cache
+        with jax.named_scope("attn_res"):
+            state = attn_res.add(state, y)
+            h = self.ffn_res_mix(state)
+        y, stats = self._ffn(h, ctx)
+        with jax.named_scope("attn_res"):
+            return attn_res.add(state, y), stats, cache
 
 
 class LayerGroup(nnx.Module):
@@ -301,9 +309,11 @@ class K3Model(nnx.Module):
         layer_caches = cache if cache is not None else ModelCache(
             (None,) * len(self.plan.prefix), None, (None,) * len(self.plan.suffix), None, None, None)
         stats, new_prefix, new_suffix = {}, [], []
-        x = jnp.take(cast(self.embed, dt), tokens, axis=0)
+        with jax.named_scope("embedding"):
+            x = jnp.take(cast(self.embed, dt), tokens, axis=0)
         if images is not None:
-            features = self.encode_images(images) if isinstance(images, VisionInputs) else images
+            with jax.named_scope("vision"):
+                features = self.encode_images(images) if isinstance(images, VisionInputs) else images
             x = splice_image_features(x, tokens, features, cfg.vision.media_pad_id)
         carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
         for j, (layer, i) in enumerate(zip(self.prefix, self.plan.prefix)):
@@ -319,10 +329,12 @@ class K3Model(nnx.Module):
             carry, stats[("suffix", j, "ffn", "router_bias")], c = call_layer(layer, cfg.remat, carry, i, ctx,
                                                                               layer_caches.suffix[j])
             new_suffix.append(c)
-        h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
-        h = self.final_norm(h)
-        head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
-        logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
+        with jax.named_scope("attn_res"):
+            h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
+        with jax.named_scope("lm_head_loss"):
+            h = self.final_norm(h)
+            head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
+            logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
         new_cache = None
         if cache is not None:
             new_cache = ModelCache(tuple(new_prefix), tuple(new_groups) if new_groups is not None else (),

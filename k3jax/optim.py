@@ -312,6 +312,7 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
     (``lax.map``), so the Gram matrices of one layer, not of all 22 K3 layer groups, exist at once."""
     a, b, c = (float(v) for v in ns_coeffs)
 
+    @jax.named_scope("newton_schulz")  # a part name of k3jax.breakdown
     def newton_schulz(x):  # [..., r, o] with r <= o: NS over the trailing two axes, per block
         norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True))
         x = x / (norm.astype(x.dtype) + eps)

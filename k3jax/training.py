@@ -149,7 +149,8 @@ def make_train_step(graphdef, cfg: Config):
         model = nnx.merge(model_def, params, rest)
         logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
                                          images=vision_batch(mb))
-        total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
+        with jax.named_scope("lm_head_loss"):
+            total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
         return total, (count, nll, stats)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -174,9 +175,11 @@ def make_train_step(graphdef, cfg: Config):
 
         def apply(ts_state):
             ts_ = nnx.merge(graphdef, ts_state)
-            ts_.optimizer.update(ts_.model, grads)
+            with jax.named_scope("optimizer"):  # Newton-Schulz inside has its own scope
+                ts_.optimizer.update(ts_.model, grads)
             if balancing == "quantile":
-                qb.apply(ts_.model, stats, top_k)
+                with jax.named_scope("quantile_balancing"):
+                    qb.apply(ts_.model, stats, top_k)
             return nnx.state(ts_)
 
         def skip(ts_state):

@@ -56,36 +56,48 @@ class LatentMoE(nnx.Module):
         b, t, d = x.shape
         m, dt = self.cfg, self.dtype
         xf = x.reshape(b * t, d)
-        logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        bias = self.router_bias[...] if self.router_bias is not None else None
-        route = sigmoid_topk_route(logits, bias, m.top_k, renormalize=m.renormalize,
-                                   scaling_factor=m.routed_scaling_factor)
+        # named scopes: the part names of k3jax.breakdown
+        with jax.named_scope("router"):
+            logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
+            bias = self.router_bias[...] if self.router_bias is not None else None
+            route = sigmoid_topk_route(logits, bias, m.top_k, renormalize=m.renormalize,
+                                       scaling_factor=m.routed_scaling_factor)
         z = xf.astype(dt)
         if m.latent_dim:
-            z = jnp.einsum("nd,dl->nl", z, cast(self.down, dt))
-        experts = tuple(expert_weight(w, dt, self.quant) for w in (self.w_gate, self.w_up, self.w_down))
+            with jax.named_scope("latent_proj"):
+                z = jnp.einsum("nd,dl->nl", z, cast(self.down, dt))
+        with jax.named_scope("routed_experts"):
+            u = self._routed_experts(z, route)
+        if m.latent_dim:
+            with jax.named_scope("latent_proj"):
+                if self.latent_norm is not None:
+                    u = self.latent_norm(u)
+                y = jnp.einsum("nl,ld->nd", u.astype(dt), cast(self.up, dt))
+        else:
+            y = u.astype(dt)
+        y = y.reshape(b, t, d)
+        if self.shared is not None:
+            with jax.named_scope("shared_experts"):
+                y = y + self.shared(x)
+        stats = None
+        if m.balancing == "quantile" and bias is not None:
+            with jax.named_scope("quantile_balancing"):
+                mask = None if token_mask is None else token_mask.reshape(-1)
+                stats = qb.router_statistics(route.scores, route.threshold, bias, mask, method=m.qb_method,
+                                             num_bins=m.qb_bins)
+        return y, stats
+
+    def _routed_experts(self, z: jax.Array, route) -> jax.Array:
+        """Latent tokens z ``[N, L]`` -> the weighted routed-expert sum ``u [N, L]`` float32."""
+        m = self.cfg
+        experts = tuple(expert_weight(w, self.dtype, self.quant) for w in (self.w_gate, self.w_up, self.w_down))
         glu = dict(activation=self.activation, beta=self.beta, linear_beta=self.linear_beta)
         act_quant = activation_quantizer(self.quant)
         if act_quant is not None:
             glu["act_quant"] = act_quant
         if current_mesh() is None:
             pair_out = self.grouped_glu_experts(z, route.experts, *experts, **glu)
-            u = jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
-        else:  # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
-            u = expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
-                                        capacity_factor=m.ep_capacity_factor, **glu)
-        if m.latent_dim:
-            if self.latent_norm is not None:
-                u = self.latent_norm(u)
-            y = jnp.einsum("nl,ld->nd", u.astype(dt), cast(self.up, dt))
-        else:
-            y = u.astype(dt)
-        y = y.reshape(b, t, d)
-        if self.shared is not None:
-            y = y + self.shared(x)
-        stats = None
-        if m.balancing == "quantile" and bias is not None:
-            mask = None if token_mask is None else token_mask.reshape(-1)
-            stats = qb.router_statistics(route.scores, route.threshold, bias, mask, method=m.qb_method,
-                                         num_bins=m.qb_bins)
-        return y, stats
+            return jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
+        # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
+        return expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
+                                       capacity_factor=m.ep_capacity_factor, **glu)

@@ -1,0 +1,463 @@
+"""Where a compiled step's FLOPs, HBM bytes and collective bytes go, read off its optimized HLO.
+
+::
+
+    python -m k3jax.aot --config k3 --mode train ... --breakdown        # table + JSON per compiled job
+
+XLA's ``cost_analysis`` gives one number, counts every loop body once and a kernel (custom call) as
+zero. This module parses the optimized HLO text of a compiled program (``compiled.as_text()``) and
+counts each instruction itself:
+
+- **Matmul FLOPs**: ``dot`` = ``2 * |output| * |contracted dims|``; ``convolution`` (TPU writes
+  dots as convolutions, a batch dimension as a window whose ``lhs_dilate`` equals its size) =
+  ``2 * |output| * input features * real taps``, a window dimension of size ``s`` and dilation
+  ``d`` having ``ceil(s / d)`` real taps; a Pallas / Mosaic kernel (``tpu_custom_call``) = the
+  ``pl.CostEstimate`` it declares; a ragged dot custom call = ``2 * rows * in * out``.
+- **HBM bytes**: operands + result of every instruction outside fusion bodies (a fusion reads its
+  operands and writes its result once; what happens inside stays in registers / VMEM).
+- **Collective bytes**: per kind (all-gather, reduce-scatter, all-reduce, all-to-all, ragged
+  all-to-all, collective-permute), the bytes one device sends, ``(n - 1) / n`` of the gathered /
+  scattered / exchanged array (twice that for an all-reduce, a reduce-scatter plus an all-gather).
+- **Trip counts**: every computation gets a multiplier, the number of times it runs per step:
+  while bodies multiply by their ``known_trip_count`` (the scanned layer groups, the micro-batch
+  loop, chunk loops), fusions / calls / conditional branches inherit their caller's.
+
+**Attribution** uses the ``jax.named_scope`` names the model puts on its parts (``PARTS``): an
+instruction belongs to the innermost part named in its ``op_name`` metadata (relative names inside
+called computations are prefixed with the caller's). **Phase**: ``recompute`` for rematerialised
+forward work (``rematted_computation``), ``backward`` under ``transpose(...)``, ``optimizer`` for the
+update, else ``forward``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+# The named scopes of the model and the train step (k3jax/model.py, layers/, optim.py, training.py).
+PARTS = ("embedding", "kda", "mla", "attn_res", "router", "routed_experts", "shared_experts", "latent_proj",
+         "dense_ffn", "lm_head_loss", "newton_schulz", "optimizer", "quantile_balancing", "vision")
+PHASES = ("forward", "backward", "recompute", "optimizer")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
+OPTIMIZER_PARTS = ("newton_schulz", "optimizer", "quantile_balancing")
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f4e2m1fn": 0.5,
+                "f8e8m0fnu": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
+                "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) \(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = (.*)$")
+_CALLS = re.compile(r"\b(calls|body|to_apply|branch_computations|true_computation|false_computation)="
+                    r"(\{[^}]*\}|%[^\s,)]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRIP = re.compile(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)')
+_COST_FLOPS = re.compile(r'cost_estimate[\\"]*:\s*\{[\\"]*flops[\\"]*:\s*(\d+)')
+_NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "conditional", "call",
+               "after-all", "partition-id", "replica-id", "copy-start", "copy-done", "opt-barrier"}
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    opcode: str
+    shape: str  # the result type text, e.g. "bf16[4,128]{1,0}" or a tuple
+    operands: list[str]
+    attrs: str  # everything after the operand list
+    op_name: str
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``'f32[2]{0} add(%a, %b), ...'`` -> (type text, the rest from the opcode on)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    i = rest.index(" ")
+    return rest[:i], rest[i + 1:]
+
+
+def _matching(text: str, start: int) -> int:
+    """Index just past the parenthesis closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] == "("
+        depth -= text[i] == ")"
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """Optimized HLO text -> ({computation: instructions}, entry computation name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2).lstrip("%")
+                comps[current] = []
+                entry = current if m.group(1) else entry
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape, rest = _split_type(m.group(2))
+        paren = rest.find("(")
+        if paren < 0:
+            continue
+        opcode = rest[:paren].strip()
+        end = _matching(rest, paren)
+        operands = re.findall(r"%([^\s,)]+)", rest[paren:end])
+        attrs = rest[end:]
+        op = _OP_NAME.search(attrs)
+        comps[current].append(Instr(m.group(1), opcode, shape, operands, attrs, op.group(1) if op else ""))
+    return comps, entry
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(shape)
+            if dt in _DTYPE_BYTES]
+
+
+def shape_bytes(shape: str) -> float:
+    return sum(_DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in _arrays(shape))
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    arrays = _arrays(shape)
+    return arrays[0][1] if arrays else ()
+
+
+def _callees(ins: Instr) -> list[tuple[str, int]]:
+    """(computation, times it runs per run of ``ins``) for the computations ``ins`` calls."""
+    out = []
+    for key, val in _CALLS.findall(ins.attrs):
+        names = re.findall(r"%?([^\s,{}]+)", val)
+        if key == "to_apply" and ins.opcode != "call":
+            continue  # reductions' scalar combiners
+        times = 1
+        if key == "body":
+            trip = _TRIP.search(ins.attrs)
+            times = int(trip.group(1)) if trip else 1
+        out += [(n, times) for n in names]
+    return out
+
+
+def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Runs per step of every computation reachable from ``entry`` and the op_name of its first caller
+    (the prefix of the relative names inside it)."""
+    edges = collections.defaultdict(list)
+    indegree = collections.Counter()
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            for callee, times in _callees(ins):
+                if callee in comps:
+                    edges[comp].append((callee, times, ins))
+                    indegree[callee] += 1
+    mult = collections.defaultdict(float, {entry: 1.0})
+    context = {entry: ""}
+    ready = [c for c in comps if indegree[c] == 0]
+    while ready:
+        comp = ready.pop()
+        for callee, times, ins in edges[comp]:
+            mult[callee] += mult[comp] * times
+            context.setdefault(callee, full_name(ins.op_name, context.get(comp, "")))
+            indegree[callee] -= 1
+            if indegree[callee] == 0:
+                ready.append(callee)
+    return mult, context
+
+
+def full_name(op_name: str, context: str) -> str:
+    if not op_name or op_name.startswith("jit(") or not context:
+        return op_name or context
+    return f"{context}/{op_name}"
+
+
+def _scope_names(name: str) -> list[str]:
+    """Path components with transformation wrappers removed: ``transpose(jvp(kda))`` -> ``kda``."""
+    out = []
+    for comp in name.split("/"):
+        while "(" in comp and comp.endswith(")"):
+            comp = comp[comp.index("(") + 1:-1]
+        out.append(comp)
+    return out
+
+
+def part_of(name: str) -> str:
+    """The innermost named part in an op_name, ``other`` when none."""
+    for comp in reversed(_scope_names(name)):
+        if comp in PARTS:
+            return comp
+    return "other"
+
+
+def phase_of(name: str, part: str) -> str:
+    if part in OPTIMIZER_PARTS:
+        return "optimizer"
+    if "rematted_computation" in name:
+        return "recompute"
+    return "backward" if "transpose(" in name else "forward"
+
+
+def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    labels = re.search(r"dim_labels=([^\s,]+)", ins.attrs)
+    if not labels or len(ins.operands) < 2:
+        return 0.0
+    _, rhs_labels = labels.group(1).split("->")[0].split("_")
+    rhs = _dims(shapes.get(ins.operands[1], ""))
+    if not rhs:
+        return 0.0
+    in_features = rhs[rhs_labels.index("i")]
+    taps = 1
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    if window:
+        fields = dict(kv.split("=", 1) for kv in window.group(1).split() if "=" in kv)
+        sizes = [int(s) for s in fields.get("size", "").split("x") if s]
+        dilate = [int(s) for s in fields.get("lhs_dilate", "").split("x") if s] or [1] * len(sizes)
+        taps = math.prod(-(-s // d) for s, d in zip(sizes, dilate))
+    return 2.0 * math.prod(_dims(ins.shape)) * in_features * taps
+
+
+def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    lhs = _dims(shapes.get(ins.operands[0], ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+    return 2.0 * math.prod(_dims(ins.shape)) * k
+
+
+def _custom_call_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    cost = _COST_FLOPS.search(ins.attrs)
+    if cost:
+        return float(cost.group(1))
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    if target and "ragged" in target.group(1).lower() and "dot" in target.group(1).lower():
+        lhs = _dims(shapes.get(ins.operands[0], ""))
+        out = _dims(ins.shape)
+        return 2.0 * math.prod(out) * (lhs[-1] if lhs else 1)
+    return 0.0
+
+
+def _group_size(ins: Instr) -> int:
+    groups = re.search(r"replica_groups=\{\{([0-9,]*)\}", ins.attrs)
+    if groups:
+        return max(1, len([g for g in groups.group(1).split(",") if g]))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.attrs)  # iota form [groups, size]
+    return int(iota.group(2)) if iota else 1
+
+
+def _collective(ins: Instr, shapes: dict[str, str]) -> tuple[str, float] | None:
+    kind = ins.opcode.removesuffix("-start")
+    if kind not in COLLECTIVES or ins.opcode.endswith("-done"):
+        return None
+    n = _group_size(ins)
+    operand = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+    if kind == "ragged-all-to-all":
+        operand = shape_bytes(shapes.get(ins.operands[0], ""))
+    result = shape_bytes(ins.shape)
+    if kind == "all-gather":
+        sent = result * (n - 1) / n if n > 1 else result
+    elif kind == "reduce-scatter":
+        sent = operand * (n - 1) / n if n > 1 else operand
+    elif kind == "all-reduce":
+        sent = 2 * operand * (n - 1) / n if n > 1 else operand
+    elif kind == "collective-permute":
+        sent = operand
+    else:  # all-to-all: all but one's own block leaves
+        sent = operand * (n - 1) / n if n > 1 else operand
+    return kind, sent
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """Per-device totals of one step; keys ``(part, phase)``."""
+
+    flops: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    hbm_bytes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    collective_bytes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))  # by kind
+    collective_by_part: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    unattributed_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    def part_flops(self, part: str) -> float:
+        return sum(v for (p, _), v in self.flops.items() if p == part)
+
+    def phase_flops(self, phase: str) -> float:
+        return sum(v for (_, ph), v in self.flops.items() if ph == phase)
+
+    @property
+    def attributed_share(self) -> float:
+        total = self.total_flops
+        return 1.0 - self.part_flops("other") / total if total else 1.0
+
+    def to_json(self) -> dict:
+        parts = sorted({p for p, _ in self.flops} | {p for p, _ in self.hbm_bytes})
+        return {
+            "total_flops": self.total_flops,
+            "attributed_share": self.attributed_share,
+            "parts": {p: {"flops": {ph: self.flops.get((p, ph), 0.0) for ph in PHASES},
+                          "hbm_bytes": sum(v for (q, _), v in self.hbm_bytes.items() if q == p),
+                          "collective_bytes": self.collective_by_part.get(p, 0.0)} for p in parts},
+            "collective_bytes": dict(self.collective_bytes),
+            "unattributed_top": self.unattributed_ops.most_common(10),
+        }
+
+
+def breakdown(hlo_text: str) -> Breakdown:
+    """Count the per-device FLOPs, HBM bytes and collective bytes of one step (module docstring)."""
+    comps, entry = parse_hlo(hlo_text)
+    mult, context = multipliers(comps, entry)
+    fused = {callee for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
+             for callee, _ in _callees(ins)}
+    out = Breakdown()
+    for comp, instrs in comps.items():
+        times = mult.get(comp, 0.0)
+        if not times:
+            continue
+        shapes = {ins.name: ins.shape for ins in instrs}
+        ctx = context.get(comp, "")
+        for ins in instrs:
+            name = full_name(ins.op_name, ctx)
+            part = part_of(name)
+            key = (part, phase_of(name, part))
+            if ins.opcode == "dot":
+                flops = _dot_flops(ins, shapes)
+            elif ins.opcode == "convolution":
+                flops = _conv_flops(ins, shapes)
+            elif ins.opcode == "custom-call":
+                flops = _custom_call_flops(ins, shapes)
+            else:
+                flops = 0.0
+            if flops:
+                out.flops[key] += times * flops
+                if part == "other":
+                    out.unattributed_ops[name] += times * flops
+            if comp in fused:
+                continue
+            coll = _collective(ins, shapes)
+            if coll:
+                out.collective_bytes[coll[0]] += times * coll[1]
+                out.collective_by_part[part] += times * coll[1]
+            if ins.opcode not in _NO_TRAFFIC and not ins.opcode.endswith("-done"):
+                traffic = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+                out.hbm_bytes[key] += times * traffic
+    return out
+
+
+def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: int = 1) -> str:
+    """Markdown: part, FLOPs by phase, share, analytic FLOPs and the ratio (all per device)."""
+    analytic = analytic or {}
+    total = b.total_flops or 1.0
+    rows = ["| part | forward | backward | recompute | optimizer | total FLOPs | share | analytic | ratio | HBM GB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    parts = sorted({p for p, _ in b.flops} | set(analytic), key=lambda p: -b.part_flops(p))
+    for p in parts:
+        f = b.part_flops(p)
+        a = analytic.get(p, 0.0) / devices
+        hbm = sum(v for (q, _), v in b.hbm_bytes.items() if q == p) / 1e9
+        rows.append(f"| {p} | " + " | ".join(f"{b.flops.get((p, ph), 0.0):.3e}" for ph in PHASES)
+                    + f" | {f:.3e} | {f / total:.1%} | {a:.3e} | {(f / a if a else float('nan')):.2f} | {hbm:.1f} |")
+    rows.append(f"| **total** | " + " | ".join(f"{b.phase_flops(ph):.3e}" for ph in PHASES)
+                + f" | {b.total_flops:.3e} | 100% | {sum(analytic.values()) / devices:.3e} | "
+                + f"{b.total_flops / (sum(analytic.values()) / devices) if analytic else float('nan'):.2f} | "
+                + f"{sum(b.hbm_bytes.values()) / 1e9:.1f} |")
+    return "\n".join(rows)
+
+
+def dumps(b: Breakdown, **extra) -> str:
+    return json.dumps({**b.to_json(), **extra}, indent=1, default=float)
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic counts per part (the denominators of the table)
+
+# Parameters of a MoE layer by name -> part (everything else under a layer's ``ffn`` is its own FFN).
+_MOE_PARTS = {"router": "router", "down": "latent_proj", "up": "latent_proj", "latent_norm": "latent_proj",
+              "w_gate": "routed_experts", "w_up": "routed_experts", "w_down": "routed_experts",
+              "shared": "shared_experts"}
+
+
+def _param_part(path: tuple, kinds: dict[tuple, tuple[str, str]]) -> str:
+    """The part a parameter belongs to; ``kinds`` maps each DecoderLayer's path to its (mixer, ffn)."""
+    for n in range(len(path), 0, -1):
+        if path[:n] in kinds:
+            mixer, ffn = kinds[path[:n]]
+            name = path[n]
+            if name in ("attn_res_mix", "ffn_res_mix"):
+                return "attn_res"
+            if name in ("mixer", "attn_norm"):
+                return mixer
+            if ffn == "dense":
+                return "dense_ffn"
+            return _MOE_PARTS.get(path[n + 1], "router") if name == "ffn" else "router"  # ffn_norm: router's input
+    top = path[0]
+    if top == "embed":
+        return "embedding"
+    if top in ("final_res_mix",):
+        return "attn_res"
+    if top in ("vision_tower", "mm_projector"):
+        return "vision"
+    return "lm_head_loss"  # final_norm, lm_head
+
+
+def active_params_by_part(model_cfg) -> dict[str, float]:
+    """What one token multiplies through, by part (``k3jax.params``'s *active* rule: routed experts
+    count ``top_k / num_experts``, the input embedding only when tied to the head)."""
+    from flax import nnx  # noqa: PLC0415 - the model is only needed for the analytic side
+
+    from k3jax.model import DecoderLayer, abstract_model  # noqa: PLC0415
+
+    model = abstract_model(model_cfg)
+    kinds = {tuple(p): v.kind for p, v in nnx.iter_graph(model) if isinstance(v, DecoderLayer)}
+    out: dict[str, float] = collections.defaultdict(float)
+    routed_share = model_cfg.moe.top_k / model_cfg.moe.num_experts
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        part = _param_part(tuple(path), kinds)
+        n = math.prod(var.get_raw_value().shape)
+        if part == "routed_experts":
+            n *= routed_share
+        if part == "embedding":
+            n = n if model_cfg.tie_embeddings else 0
+        out[part] += n
+    return dict(out)
+
+
+def attention_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of the token-mixing beyond the projections (not in ``6 N``).
+
+    MLA: causal softmax attention, ``2 H (d_qk + d_v) * seq_len / 2`` per token and layer. KDA
+    (chunkwise, chunk C): the intra-chunk ``A_kk``, ``A_qk`` (``C x K`` each) and their products with
+    the values (``2 C V``) plus the state reads and update (``3 K V``), ``2 H (2 C K + 2 C V + 3 K V)``."""
+    n_mla = sum(model_cfg.mixer(i) == "mla" for i in range(model_cfg.num_layers))
+    n_kda = model_cfg.num_layers - n_mla
+    a, k = model_cfg.mla, model_cfg.kda
+    mla = 2 * a.num_heads * (a.qk_head_dim + a.v_head_dim) * seq_len / 2 * n_mla
+    c, d = k.chunk_size, k.head_dim
+    kda = 2 * k.num_heads * (2 * c * d + 2 * c * d + 3 * d * d) * n_kda
+    return {"mla": mla, "kda": kda}
+
+
+def analytic_step_flops(cfg, tokens: int, seq_len: int, *, train: bool = True) -> dict[str, float]:
+    """All devices' analytic FLOPs per part for one step over ``tokens`` tokens: ``6 N_part tokens``
+    (``2`` for a forward only) plus the attention of :func:`attention_flops_per_token` (x3 trained)."""
+    factor = 6 if train else 2
+    out = {p: factor * n * tokens for p, n in active_params_by_part(cfg.model).items()}
+    for p, f in attention_flops_per_token(cfg.model, seq_len).items():
+        out[p] = out.get(p, 0.0) + (3 if train else 1) * f * tokens
+    return out

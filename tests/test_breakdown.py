@@ -1,0 +1,114 @@
+"""k3jax.breakdown: FLOPs / bytes of a compiled program attributed to named parts, with trip counts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax import breakdown as bd
+
+M, K, N = 48, 40, 24
+
+
+def _compile(fn, *args):
+    return bd.breakdown(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def _args():
+    kx, kw = jax.random.split(jax.random.key(0))
+    return jax.random.normal(kx, (M, K)), jax.random.normal(kw, (K, N))
+
+
+def test_matmul_counted_and_doubled_matmul_doubled():
+    def one(x, w):
+        with jax.named_scope("dense_ffn"):
+            return jnp.tanh(x @ w)
+
+    def two(x, w):
+        with jax.named_scope("dense_ffn"):
+            return jnp.tanh(x @ w) + jnp.tanh(jnp.sin(x) @ w)
+
+    b1, b2 = _compile(one, *_args()), _compile(two, *_args())
+    assert b1.flops[("dense_ffn", "forward")] == 2 * M * K * N
+    assert b2.flops[("dense_ffn", "forward")] == 2 * b1.flops[("dense_ffn", "forward")]
+    assert b1.attributed_share == 1.0
+
+
+def test_loop_trip_counts_multiply():
+    def looped(x, w):
+        def outer(c, _):
+            def inner(i, c):
+                with jax.named_scope("kda"):
+                    return jnp.tanh(c @ w @ w.T)
+            return jax.lax.fori_loop(0, 3, inner, c), None
+        return jax.lax.scan(outer, x, None, length=5)[0]
+
+    b = _compile(looped, *_args())
+    assert b.flops[("kda", "forward")] == 5 * 3 * 2 * (2 * M * K * N)
+
+
+def test_phases_forward_backward_recompute():
+    def loss(x, w, remat):
+        def f(x, w):
+            with jax.named_scope("mla"):
+                return jnp.sum(jnp.tanh(x @ w))
+        return (jax.checkpoint(f) if remat else f)(x, w)
+
+    x, w = _args()
+    plain = _compile(jax.grad(lambda x, w: loss(x, w, False), argnums=(0, 1)), x, w)
+    assert plain.flops[("mla", "forward")] == 2 * M * K * N
+    assert plain.flops[("mla", "backward")] == 2 * (2 * M * K * N)  # dx and dw
+    remat = _compile(jax.grad(lambda x, w: loss(x, w, True), argnums=(0, 1)), x, w)
+    assert remat.flops[("mla", "recompute")] == 2 * M * K * N
+    assert remat.flops[("mla", "backward")] == 2 * (2 * M * K * N)
+
+
+def test_tpu_convolution_and_kernel_text():
+    """TPU HLO writes a batched dot as a convolution whose batch window has lhs_dilate = its size
+    (one real tap per output), and a Pallas kernel as a custom call carrying its CostEstimate."""
+    hlo = """HloModule m
+
+ENTRY %main (p0: bf16[8,64,32], p1: bf16[8,32,16]) -> bf16[8,64,16] {
+  %p0 = bf16[8,64,32]{2,1,0} parameter(0)
+  %p1 = bf16[8,32,16]{2,1,0} parameter(1)
+  %convolution.1 = bf16[8,64,16]{2,1,0} convolution(%p0, %p1), window={size=8 pad=7_7 lhs_dilate=8}, dim_labels=0bf_0io->0bf, metadata={op_name="jit(f)/routed_experts/dot_general"}
+  %custom-call.2 = bf16[64,16]{1,0} custom-call(%p0, %p1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x", "cost_estimate": {"flops": 12345, "transcendentals": 0, "bytes_accessed": 1}}}, metadata={op_name="jit(f)/transpose(jvp(routed_experts))/pallas_call"}
+  ROOT %all-gather.3 = bf16[8,64,16]{2,1,0} all-gather(%convolution.1), replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="jit(f)/kda/all_gather"}
+}
+"""
+    b = bd.breakdown(hlo)
+    assert b.flops[("routed_experts", "forward")] == 2 * 8 * 64 * 16 * 32
+    assert b.flops[("routed_experts", "backward")] == 12345
+    assert b.collective_bytes["all-gather"] == pytest.approx(8 * 64 * 16 * 2 * 3 / 4)
+    assert b.collective_by_part["kda"] == b.collective_bytes["all-gather"]
+
+
+@pytest.mark.slow
+def test_tiny_train_step_matches_analytic_count():
+    """Every matmul of the tiny model's train step (scanned layer groups, remat) is attributed, and the
+    plain-matmul parts equal ``6 N_part tokens`` (plus one forward for the remat); Newton-Schulz equals
+    its analytic count."""
+    from k3jax import aot
+    from k3jax.config import MeshConfig, load_config
+    from k3jax.model import abstract_model
+    from k3jax.sharding import DEFAULT_RULES, make_mesh
+
+    batch, seq = 2, 64
+    cfg = load_config("tiny", ["model.num_layers=6", "model.mla_period=2", "model.remat=full",
+                               f"train.batch_size={batch}", f"train.seq_len={seq}"])
+    model = abstract_model(cfg.model)
+    assert model.plan.num_groups == 2
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    compiled = aot._lower_train(cfg, mesh, model, DEFAULT_RULES, batch, seq).compile()
+    b = bd.breakdown(compiled.as_text())
+    analytic = bd.analytic_step_flops(cfg, batch * seq, seq)
+    assert b.attributed_share >= 0.95
+    for part in ("dense_ffn", "shared_experts", "latent_proj", "lm_head_loss"):
+        measured = b.part_flops(part) - b.flops.get((part, "recompute"), 0.0)
+        assert measured == pytest.approx(analytic[part], rel=0.02), part
+    # remat=full: the scanned groups' layers run their forward twice more (nested checkpoints), the
+    # unscanned ones once more; the head is not rematerialised
+    assert b.flops.get(("shared_experts", "recompute"), 0.0) > 0
+    assert b.flops.get(("lm_head_loss", "recompute"), 0.0) == 0
+    assert b.part_flops("newton_schulz") == pytest.approx(aot.newton_schulz_flops(cfg), rel=0.02)
+    for part in ("kda", "mla", "router", "routed_experts"):
+        assert b.part_flops(part) > 0, part
