@@ -27,7 +27,7 @@ import sys
 import jax
 import numpy as np
 
-from k3jax import checkpoint, distributed
+from k3jax import checkpoint, compile_cache, distributed
 from k3jax.config import Config, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
@@ -89,6 +89,7 @@ class _Printer:
 
 
 def main(argv: list[str] | None = None) -> None:
+    compile_cache.enable()  # $K3JAX_COMPILE_CACHE or ~/.cache/k3jax/jax ("off" disables)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", help="checkpoint or run directory (default: runs/default)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")

@@ -27,7 +27,7 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3jax import checkpoint, distributed
+from k3jax import checkpoint, compile_cache, distributed
 from k3jax.config import Config, load_config, to_dict
 from k3jax.data.images import make_dataset
 from k3jax.data.tokenizers import load_tokenizer
@@ -39,6 +39,8 @@ from k3jax.sharding import make_mesh, shard_batch, use_mesh
 from k3jax.training import expert_imbalance_layers, init_train_state, make_eval_step, make_train_step
 
 DEMO_PROMPT = "In the beginning"
+# The closing sample is drawn (greedy decoding of a small model loops on its most likely phrase).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95
 EVAL_BATCHES = 4
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 
@@ -206,9 +208,10 @@ def _train(cfg: Config, mesh, out: pathlib.Path, sample_tokens: int) -> dict:
         prompt = np.asarray([tokenizer.encode(DEMO_PROMPT)], np.int32)
         stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
         out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
-                              temperature=0.0, stop_tokens=stops)
+                              temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, stop_tokens=stops,
+                              seed=cfg.train.seed)
         sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
-        _print_main(f"\n--- sample (greedy) ---\n{sample}\n")
+        _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{sample}\n")
     return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
             "interrupted": False}
 
@@ -225,15 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
                     help="multi-host start-up (jax.distributed.initialize): auto = when the environment "
                     "describes a multi-process job (k3jax/distributed.py)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help=f"persistent XLA compilation cache directory, or 'off' (default: ${compile_cache.ENV_VAR}, "
+                    "else ~/.cache/k3jax/jax; k3jax/compile_cache.py)")
     ap.add_argument("overrides", nargs="*",
                     help="dotted key=value config overrides, e.g. train.steps=50 run_dir=runs/exp1")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, _expand_aliases(args.overrides))
+    compile_cache.enable(args.compile_cache)
     distributed.initialize(args.distributed)
-    if jax.default_backend() == "cpu":
-        # XLA:CPU spends minutes optimising the train step of even the tiny model; CPU runs are
-        # demos and tests, so trade run-time speed for a several-fold faster compile.
-        jax.config.update("jax_disable_most_optimizations", True)
     axes = {k: v for k, v in make_mesh(cfg.mesh).shape.items() if v > 1}
     _print_main(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
                 f"{f' (mesh {axes})' if axes else ''}, {jax.process_count()} process(es); run_dir={cfg.train.out_dir}")

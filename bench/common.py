@@ -1,7 +1,9 @@
 """Shared pieces of the CPU benchmarks (decode.py, train_step.py): the HF Kimi Linear config matched
 to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers.
 
-Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU).
+Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
+and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
+measures cold compiles).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from k3jax import compile_cache  # noqa: E402
+
+COMPILE_CACHE = compile_cache.enable()
 
 
 def log(*args) -> None:
@@ -113,4 +119,5 @@ def cpu_info() -> dict:
 
     return {"cpu_cores": os.cpu_count(), "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(),
-            "jax_backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__}
+            "jax_backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
+            "compile_cache": str(COMPILE_CACHE) if COMPILE_CACHE else "off"}

@@ -1,5 +1,6 @@
-"""Shared test setup: make the repo importable without an editable install; XLA settings for tests
-that compile whole models."""
+"""Shared test setup: make the repo importable without an editable install; the persistent compilation
+cache (k3jax/compile_cache.py: a second test run loads its executables; xdist workers and subprocesses
+share it safely); XLA settings for tests that compile whole models."""
 
 import os
 import pathlib
@@ -15,6 +16,10 @@ import pytest
 _ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from k3jax import compile_cache  # noqa: E402
+
+compile_cache.enable()
 
 
 @pytest.fixture(scope="module")
