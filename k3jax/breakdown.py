@@ -55,7 +55,7 @@ _CALLS = re.compile(r"\b(calls|body|to_apply|branch_computations|true_computatio
                     r"(\{[^}]*\}|%[^\s,)]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)')
-_COST_FLOPS = re.compile(r'cost_estimate[\\"]*:\s*\{[\\"]*flops[\\"]*:\s*(\d+)')
+_COST_FLOPS = re.compile(r'cost_estimate[\\"]*:\s*\{[\\"]*flops[\\"]*:\s*[\\"]*(\d+)')
 _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "copy-start", "copy-done", "opt-barrier"}
 
@@ -66,6 +66,7 @@ class Instr:
     opcode: str
     shape: str  # the result type text, e.g. "bf16[4,128]{1,0}" or a tuple
     operands: list[str]
+    args: str  # the text between the opcode's parentheses (a constant's literal)
     attrs: str  # everything after the operand list
     op_name: str
 
@@ -121,7 +122,8 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
         operands = re.findall(r"%([^\s,)]+)", rest[paren:end])
         attrs = rest[end:]
         op = _OP_NAME.search(attrs)
-        comps[current].append(Instr(m.group(1), opcode, shape, operands, attrs, op.group(1) if op else ""))
+        comps[current].append(Instr(m.group(1), opcode, shape, operands, rest[paren + 1:end - 1], attrs,
+                                    op.group(1) if op else ""))
     return comps, entry
 
 
@@ -139,17 +141,31 @@ def _dims(shape: str) -> tuple[int, ...]:
     return arrays[0][1] if arrays else ()
 
 
-def _callees(ins: Instr) -> list[tuple[str, int]]:
+def _trip_count(ins: Instr, comps: dict[str, list[Instr]]) -> int:
+    """Iterations of a while loop: XLA's ``known_trip_count`` (CPU / GPU), else read off its condition
+    (TPU drops the annotation): ``i < N`` with ``i`` counting up from 0, the scan / fori_loop form."""
+    trip = _TRIP.search(ins.attrs)
+    if trip:
+        return int(trip.group(1))
+    cond = re.search(r"condition=%([^\s,]+)", ins.attrs)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = {i.name: i for i in body if i.opcode == "constant"}
+    for i in body:
+        if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2 and i.operands[1] in consts:
+            literal = re.fullmatch(r"\s*(-?\d+)\s*", consts[i.operands[1]].args)
+            if literal:
+                return max(int(literal.group(1)), 0)
+    return 1
+
+
+def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None) -> list[tuple[str, int]]:
     """(computation, times it runs per run of ``ins``) for the computations ``ins`` calls."""
     out = []
     for key, val in _CALLS.findall(ins.attrs):
         names = re.findall(r"%?([^\s,{}]+)", val)
         if key == "to_apply" and ins.opcode != "call":
             continue  # reductions' scalar combiners
-        times = 1
-        if key == "body":
-            trip = _TRIP.search(ins.attrs)
-            times = int(trip.group(1)) if trip else 1
+        times = _trip_count(ins, comps or {}) if key == "body" else 1
         out += [(n, times) for n in names]
     return out
 
@@ -161,7 +177,7 @@ def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, fl
     indegree = collections.Counter()
     for comp, instrs in comps.items():
         for ins in instrs:
-            for callee, times in _callees(ins):
+            for callee, times in _callees(ins, comps):
                 if callee in comps:
                     edges[comp].append((callee, times, ins))
                     indegree[callee] += 1

@@ -282,7 +282,7 @@ class ModelConfig:
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
     kda_impl: Literal["xla", "pallas"] = "xla"
-    moe_impl: Literal["ragged_dot", "pallas"] = "ragged_dot"
+    moe_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"  # k3jax/kernels.py
 
     def validate(self, prefix: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "dense_ffn_dim", "mla_period", "max_seq_len"):
@@ -298,8 +298,8 @@ class ModelConfig:
                "must be float32 or bfloat16")
         _check(self.remat in ("none", "full", "dots"), f"{prefix}.remat", "must be none, full or dots")
         _check(self.kda_impl in ("xla", "pallas"), f"{prefix}.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
-        _check(self.moe_impl in ("ragged_dot", "pallas"), f"{prefix}.moe_impl",
-               f"must be ragged_dot or pallas, got {self.moe_impl!r}")
+        _check(self.moe_impl in ("auto", "ragged_dot", "pallas"), f"{prefix}.moe_impl",
+               f"must be auto, ragged_dot or pallas, got {self.moe_impl!r}")
         _check(self.moe_impl != "pallas" or self.quant.activations == "none", f"{prefix}.moe_impl",
                "the Pallas grouped matmul has no MXFP8 input quantization; use ragged_dot with quant.activations")
         if self.mla_layers is not None:

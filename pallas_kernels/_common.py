@@ -21,6 +21,15 @@ def target_platform():
     return jax.default_backend()
 
 
+def out_struct(shape, dtype, like):
+    """A kernel's ``out_shape``: varying over the same manual mesh axes as ``like`` (an operand), so the
+    kernel can run inside ``jax.shard_map`` with its type checks on (a no-op outside one)."""
+    mat = getattr(jax.typeof(like), "mat", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def resolve(interpret, backend):
     """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
 

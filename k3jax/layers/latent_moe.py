@@ -33,7 +33,9 @@ class LatentMoE(nnx.Module):
         self.quant = cfg.quant  # routed experts: dense, MXFP4 QAT or packed MXFP4 (k3jax/quant)
         # Single-device expert compute: ragged_dot or the Pallas grouped matmul (k3jax/kernels.py); the
         # expert-parallel path (under a mesh) runs ragged_dot inside its shard_map.
-        self.grouped_glu_experts = kernels.grouped_glu_experts(cfg.moe_impl)
+        self.impl = cfg.moe_impl
+        self.grouped_glu_experts = kernels.grouped_glu_experts(kernels.resolve_moe_impl(
+            cfg.moe_impl, jax.default_backend(), quantized_inputs=cfg.quant.activations != "none"))
         self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)
         self.router_bias = constant(0.0, (m.num_experts,), ("expert",), jnp.float32, RouterBias) \
             if m.router_bias else None
@@ -100,4 +102,4 @@ class LatentMoE(nnx.Module):
             return jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
         # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
         return expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
-                                       capacity_factor=m.ep_capacity_factor, **glu)
+                                       capacity_factor=m.ep_capacity_factor, impl=self.impl, **glu)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops.moe import grouped_glu_experts, ragged_glu
+from k3jax import kernels
 from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, platform, spec_entry, split_axes
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
@@ -63,7 +63,7 @@ def resolve_dispatch(dispatch: str, mesh) -> str:
 def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
                             w_up: jax.Array, w_down: jax.Array, *, activation: str, beta: float = 4.0,
                             linear_beta: float = 25.0, dispatch: str = "auto", capacity_factor: float = 0.0,
-                            mesh=None, act_quant=None) -> jax.Array:
+                            mesh=None, act_quant=None, impl: str = "auto") -> jax.Array:
     """Weighted routed-expert sum over the current mesh.
 
     z ``[N, L]`` latent tokens, experts ``[N, k]`` int32, weights ``[N, k]`` float32, w_gate / w_up
@@ -71,7 +71,9 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     ``einsum('nk,nkl->nl', weights, grouped_glu_experts(z, experts, ...))``. ``act_quant``: see
     ``ragged_glu`` (the expert matmuls' input quantizer, per row). ``capacity_factor``: 0 = dropless
     (buffers for the worst case); c > 0 = each device computes at most ``c * n * k`` pairs for its
-    ``n`` tokens' fair share and drops the rest (``moe.ep_capacity_factor``).
+    ``n`` tokens' fair share and drops the rest (``moe.ep_capacity_factor``). ``impl``: the expert
+    matmuls over the grouped rows (``model.moe_impl``, resolved for the mesh's platform by
+    ``k3jax.kernels.resolve_moe_impl``: the Pallas grouped matmul on TPU).
     """
     mesh = current_mesh() if mesh is None else mesh
     if mesh is None:
@@ -83,7 +85,8 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     token_axes = split_axes(mesh, mesh.axis_names, n)
     tokens = P(spec_entry(token_axes), None)
     expert_spec = P(EXPERT_AXIS if ep > 1 else None, None, None)
-    body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta,
+    impl = kernels.resolve_moe_impl(impl, platform(mesh), quantized_inputs=act_quant is not None)
+    body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
                              capacity_factor=capacity_factor,
                              tokens_split=EXPERT_AXIS in token_axes)
@@ -92,13 +95,14 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
 
 
 def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, linear_beta, dispatch, ep,
-                tokens_split, capacity_factor, act_quant=None):
+                tokens_split, capacity_factor, impl, act_quant=None):
     """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` -> u ``[n, L]`` float32."""
-    glu = functools.partial(ragged_glu, w_gate=w_gate, w_up=w_up, w_down=w_down, activation=activation,
-                            beta=beta, linear_beta=linear_beta, act_quant=act_quant)
+    quant = {} if act_quant is None else {"act_quant": act_quant}
+    glu = functools.partial(kernels.ragged_glu(impl), w_gate=w_gate, w_up=w_up, w_down=w_down,
+                            activation=activation, beta=beta, linear_beta=linear_beta, **quant)
     if ep == 1:  # every expert is local: the single-device computation on this device's tokens
-        pair_out = grouped_glu_experts(z, experts, w_gate, w_up, w_down, activation=activation, beta=beta,
-                                       linear_beta=linear_beta, act_quant=act_quant)
+        pair_out = kernels.grouped_glu_experts(impl)(z, experts, w_gate, w_up, w_down, activation=activation,
+                                                     beta=beta, linear_beta=linear_beta, **quant)
         return _combine(weights, pair_out)
     if tokens_split and dispatch in ("ragged_all_to_all", "all_to_all"):
         exchange = jax.lax.ragged_all_to_all if dispatch == "ragged_all_to_all" else dense_ragged_all_to_all

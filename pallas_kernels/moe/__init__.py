@@ -22,11 +22,21 @@ def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
-    mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
-    h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
-    ys = mm(h, w_down)
+    ys = ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation, beta=beta,
+                    linear_beta=linear_beta, tiling=tiling, interpret=interpret, backend=backend)
     inverse = jnp.argsort(order)
     return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
 
 
-__all__ = ["DEFAULT_TILING", "gmm", "tgmm", "group_metadata", "grouped_matmul", "grouped_glu_experts"]
+def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, tiling=None,
+               interpret=None, backend=None):
+    """Drop-in for ``k3jax.ops.moe.ragged_glu`` (rows already grouped by expert) with the three
+    matmuls in Pallas: xs ``[M, D]``, group_sizes ``[E]`` -> ``[M, D]``; rows past ``sum(group_sizes)``
+    are zeros. The weight gradients are ``tgmm`` over the real rows only (the transpose of
+    ``ragged_dot`` that XLA:TPU would lower as a dense matmul of every expert over every row)."""
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+    h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
+    return mm(h, w_down)
+
+
+__all__ = ["DEFAULT_TILING", "gmm", "tgmm", "group_metadata", "grouped_matmul", "grouped_glu_experts", "ragged_glu"]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import HIGHEST, resolve
+from pallas_kernels._common import HIGHEST, out_struct, resolve
 from pallas_kernels.moe import gmm_gpu
 
 F32 = jnp.float32
@@ -165,7 +165,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=No
         bytes_accessed=M * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + M * F * isz(out_dtype))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((Mp, F), out_dtype),
+        out_shape=out_struct((Mp, F), out_dtype, x),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
@@ -239,7 +239,7 @@ def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, b
         + E * D * F * isz(out_dtype))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((E, D, F), out_dtype),
+        out_shape=out_struct((E, D, F), out_dtype, x),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
