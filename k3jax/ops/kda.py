@@ -29,14 +29,11 @@ shapes stay static under ``jit``:
   when the chunk contains a reset.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-# fp32 matmuls at full precision: TPUs (bf16 passes) and GPUs (TF32) otherwise round the operands,
-# and the delta rule feeds every rounding error back into the state.
-_PRECISION = jax.lax.Precision.HIGHEST
+from k3jax.ops.kda_chunk import MAX_CHUNK, PRECISION, chunk_scores, split_cumsum, unit_lower_inverse
+
 
 
 def kda_gate_lower_bound(z, A_log, dt_bias=None, lower_bound: float = -5.0):
@@ -75,7 +72,7 @@ def _gate_inputs(z, A_log, dt_bias):
     return z.astype(dtype), a, b
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, segment_ids):
+def check_inputs(q, k, v, g, beta, initial_state, segment_ids):
     """Validate shapes and dtypes; returns ``(B, T, H, K, V, compute_dtype)``."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
@@ -109,54 +106,12 @@ def _check_inputs(q, k, v, g, beta, initial_state, segment_ids):
     return B, T, H, K, V, dtype
 
 
-def _resets(segment_ids, B, T):
+def segment_resets(segment_ids, B, T):
     """``[B, T]`` bool: the state is zeroed before token t (never before token 0)."""
     if segment_ids is None:
         return jnp.zeros((B, T), bool)
     changed = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.pad(changed, ((0, 0), (1, 0)))
-
-
-# Floor on the per-step log-decay inside chunk_kda: exp(-128) already underflows to 0 in float32 (so
-# the recurrence is unchanged; in float64 the change is below 1e-55), and it bounds |chunk cumsum|
-# by 128 * C.
-_G_FLOOR = -128.0
-# Grid of the coarse part of g in _split_cumsum: sums of multiples of 2**-8 below 2**16 in magnitude
-# are exact in float32 (24-bit significand), i.e. for chunks of up to 511 tokens.
-_G_GRID = 2.0**-8
-
-
-def _split_cumsum(g, axis):
-    """Chunk-local cumsum of g as ``(G_hi, G_lo)``, with ``G_hi`` exact and ``G_lo`` tiny.
-
-    With g <= 0 the cumsum G falls steadily inside a chunk (to about -6400 for 64 softplus steps of
-    -100), so a difference G_i - G_j near 0 taken from a plain float32 cumsum loses ``eps * |G|``
-    to cancellation: a 4e-4 relative error in exp(G_i - G_j). Splitting g into a part on a coarse
-    grid, whose cumsum has no rounding at all, and the small remainder keeps the error of
-    ``(G_hi_i - G_hi_j) + (G_lo_i - G_lo_j)`` at ``eps * |G_i - G_j|``. The gradient goes through
-    the remainder, so d/dg is that of a plain cumsum.
-    """
-    g = jnp.maximum(g, _G_FLOOR)
-    g_hi = jax.lax.stop_gradient(jnp.round(g / _G_GRID) * _G_GRID)
-    G_hi, G_lo = jnp.cumsum(jnp.stack([g_hi, g - g_hi]), axis=axis + 1)
-    return G_hi, G_lo
-
-
-def _unit_lower_inverse(L):
-    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]``, with matmuls only.
-
-    ``N = -L`` is nilpotent (``N^C = 0``), so ``(I - N)^-1 = I + N + ... + N^(C-1)
-    = (I + N)(I + N^2)(I + N^4)...``: ``ceil(log2 C)`` squarings. (LAPACK's batched triangular solve
-    on XLA:CPU waits on its own thread pool and deadlocks on small machines; matmuls also suit TPUs.)
-    """
-    C = L.shape[-1]
-    n = -L
-    inv = jnp.eye(C, dtype=L.dtype) + n
-    power = n
-    for _ in range(max(math.ceil(math.log2(C)), 1) - 1):
-        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_PRECISION)
-        inv = inv + jnp.einsum("...ij,...jk->...ik", inv, power, precision=_PRECISION)
-    return inv
 
 
 def kda_step(state, q_t, k_t, v_t, g_t, beta_t, scale=None):
@@ -178,9 +133,9 @@ def kda_step(state, q_t, k_t, v_t, g_t, beta_t, scale=None):
     scale = K**-0.5 if scale is None else scale
     q_t, k_t, v_t, g_t, beta_t = (x.astype(dtype) for x in (q_t, k_t, v_t, g_t, beta_t))
     state = jnp.exp(g_t)[..., None] * state
-    pred = jnp.einsum("bhk,bhkv->bhv", k_t, state, precision=_PRECISION)
-    state = state + jnp.einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred, precision=_PRECISION)
-    o_t = jnp.einsum("bhk,bhkv->bhv", scale * q_t, state, precision=_PRECISION)
+    pred = jnp.einsum("bhk,bhkv->bhv", k_t, state, precision=PRECISION)
+    state = state + jnp.einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred, precision=PRECISION)
+    o_t = jnp.einsum("bhk,bhkv->bhv", scale * q_t, state, precision=PRECISION)
     return o_t.astype(out_dtype), state
 
 
@@ -190,10 +145,10 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Shapes as in the module docstring. Returns ``(o [B, T, H, V] in v.dtype, final_state
     [B, H, K, V] or None)``.
     """
-    B, T, H, K, V, dtype = _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K, V, dtype = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     scale = K**-0.5 if scale is None else scale
     state = jnp.zeros((B, H, K, V), dtype) if initial_state is None else initial_state
-    resets = _resets(segment_ids, B, T)
+    resets = segment_resets(segment_ids, B, T)
 
     def step(state, xs):
         reset, q_t, k_t, v_t, g_t, beta_t = xs
@@ -212,34 +167,37 @@ def chunk_kda(
     """Chunkwise-parallel KDA (research/kda.md §6.1), equal to ``recurrent_kda`` up to rounding.
 
     Shapes as in the module docstring; any T works (the tail is padded with ``g = beta = q = k = v
-    = 0``, which leaves the state unchanged, and sliced off). Returns ``(o [B, T, H, V] in v.dtype,
-    final_state [B, H, K, V] or None)``.
+    = 0``, which leaves the state unchanged, and sliced off). The chunk is ``min(chunk_size, T)``
+    rounded up to a power of two, at most ``kda_chunk.MAX_CHUNK``. Returns ``(o [B, T, H, V] in
+    v.dtype, final_state [B, H, K, V] or None)``.
 
     Per chunk of C tokens, with G the chunk-local cumsum of g, Gamma = exp(G), S the incoming state:
 
-    1. ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` for i > j (same segment);
-    2. ``[U | W] = (I + L)^-1 Diag(beta) [V | Gamma k]`` (UT transform, unit lower solve);
-    3. ``delta = U - W S`` (what each token writes);
-    4. ``o = (q Gamma) S + A_qk delta`` with ``A_qk`` as L but over i >= j, with q, without beta;
-    5. ``S <- Diag(exp(G_last)) S + (exp(G_last - G) k)^T delta``.
+    1. ``A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` and ``A_qk`` likewise with q, for j <= i
+       and the same segment (``kda_chunk.chunk_scores``: anchored sub-blocks, batched matmuls);
+       ``L = Diag(beta) A_kk`` below the diagonal;
+    2. ``[U | W] = (I + L)^-1 Diag(beta) [V | Gamma k]`` (UT transform, ``kda_chunk.unit_lower_inverse``);
+    3. the chunk's affine map of the state, ``S' = M S + b`` with ``M = Diag(exp(G_last)) - k_out^T W``,
+       ``b = k_out^T U``, ``k_out = exp(G_last - G) k``;
+    4. ``o = (q Gamma - A_qk W) S + A_qk U`` (= ``q Gamma S + A_qk (U - W S)``).
 
-    Steps 1, 2 and the masks are computed for all chunks at once; only 3-5 run in a ``lax.scan``
-    over chunks. Every exponent is ``<= 0`` after masking, so any ``g <= 0`` (e.g. a softplus gate
-    at -100) is safe; masked exponents are replaced before ``exp`` so gradients stay finite, and
-    G is kept as an exact coarse part plus a small remainder (``_split_cumsum``) so that
-    ``G_i - G_j`` stays accurate when G itself is large. With segments, step 1 and A_qk only link
-    tokens of the same segment, ``Gamma k`` and ``q Gamma`` are zeroed from the chunk's first reset
-    on, and step 5 keeps only the last segment (and drops ``Diag(exp(G_last)) S`` after a reset).
+    Everything but ``S <- M S + b`` is computed for all chunks at once; that one ``[K, K] x [K, V]``
+    matmul per chunk runs in a ``lax.scan``, which also hands back the state entering every chunk for
+    step 4. Every exponent is ``<= 0`` (masked ones are replaced before ``exp``, so gradients stay
+    finite), hence any ``g <= 0`` is safe (e.g. a softplus gate at -100; g is floored at
+    ``kda_chunk.G_FLOOR``), and each is accurate to ``eps * |exponent|`` however large G grows. With
+    segments, step 1 only links tokens of the same segment, ``Gamma k`` and ``q Gamma`` are zeroed from
+    the chunk's first reset on, and ``k_out`` keeps only the last segment (``M`` drops
+    ``Diag(exp(G_last))`` after a reset).
 
-    Memory: the intra-chunk step forms ``B * T * H * C * K`` pairwise decays (written so that XLA
-    may fuse them into the reductions); chunk 64 is fla's default, smaller chunks cost less.
+    Memory: ``O(T * H * (K + V) * 16)`` at most (the anchored key factors; no ``C x C x K`` tensor).
     """
-    B, T, H, K, V, dtype = _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K, V, dtype = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     scale = K**-0.5 if scale is None else scale
     out_dtype = v.dtype
-    C = min(chunk_size, T)  # a short sequence needs no padding to a full chunk
+    C = min(1 << (min(chunk_size, T) - 1).bit_length(), MAX_CHUNK)
     N = -(-T // C)
 
     def to_chunks(x):
@@ -251,45 +209,34 @@ def chunk_kda(
     q, k, v, g, beta = (to_chunks(x.astype(dtype)) for x in (q, k, v, g, beta))
     q = q * scale
     # resets seen so far inside the chunk, [B, N, 1, C]: equal counts <=> same segment
-    n_resets = to_chunks(_resets(segment_ids, B, T)[:, :, None].astype(jnp.int32)).cumsum(axis=-1)
+    n_resets = to_chunks(segment_resets(segment_ids, B, T)[:, :, None].astype(jnp.int32)).cumsum(axis=-1)
     reads_state = (n_resets == 0)[..., None]  # [B, N, 1, C, 1]
     in_last_segment = (n_resets == n_resets[..., -1:])[..., None]  # [B, N, 1, C, 1]
     same_segment = n_resets[..., :, None] == n_resets[..., None, :]  # [B, N, 1, C(i), C(j)]
+    causal = jnp.tril(jnp.ones((C, C), bool))
 
-    G_hi, G_lo = _split_cumsum(g, axis=3)  # [B, N, H, C, K] each
-    G = G_hi + G_lo
-    # pairwise decay exp(G_i - G_j) [B, N, H, C(i), C(j), K]; for i < j the exponent is > 0 and could
-    # overflow, so it is replaced by 0 before exp (the double where keeps its gradient at 0, not NaN)
-    mask = (same_segment & jnp.tril(jnp.ones((C, C), bool)))[..., None]  # [B, N, 1, C, C, 1], i >= j
-    G_diff = (G_hi[..., :, None, :] - G_hi[..., None, :, :]) + (G_lo[..., :, None, :] - G_lo[..., None, :, :])
-    decay = jnp.where(mask, jnp.exp(jnp.where(mask, G_diff, 0.0)), 0.0)
-    # written as multiply-and-sum (not einsum) so XLA can fuse the exp into the reduction instead of
-    # storing the C x C x K decay tensor
-    A_qk = jnp.sum(q[..., :, None, :] * k[..., None, :, :] * decay, axis=-1)  # [B, N, H, C(i), C(j)], i >= j
-    A_kk = jnp.sum(k[..., :, None, :] * k[..., None, :, :] * decay, axis=-1)
-    L = beta[..., :, None] * jnp.where(jnp.eye(C, dtype=bool), 0.0, A_kk)  # strictly lower
+    G = split_cumsum(g, axis=3)  # (hi, lo), [B, N, H, C, K] each
+    A_qk, A_kk = chunk_scores((q, k), k, G)  # [B, N, H, C(i), C(j)]
+    A_qk = jnp.where(same_segment & causal, A_qk, 0.0)
+    L = beta[..., :, None] * jnp.where(same_segment & causal & ~jnp.eye(C, dtype=bool), A_kk, 0.0)
 
-    rhs = beta[..., None] * jnp.concatenate([v, jnp.where(reads_state, jnp.exp(G) * k, 0.0)], axis=-1)
-    UW = jnp.einsum("...ij,...jd->...id", _unit_lower_inverse(L), rhs, precision=_PRECISION)
-    U, W = UW[..., :V], UW[..., V:]  # [B, N, H, C, V], [B, N, H, C, K]
-    q_gamma = jnp.where(reads_state, q * jnp.exp(G), 0.0)  # [B, N, H, C, K]
-    decay_to_end = jnp.exp((G_hi[..., -1:, :] - G_hi) + (G_lo[..., -1:, :] - G_lo))  # [B, N, H, C, K], <= 1
-    k_out = jnp.where(in_last_segment, decay_to_end * k, 0.0)  # [B, N, H, C, K]
-    state_decay = jnp.where(reads_state[..., -1, :], jnp.exp(G[..., -1, :]), 0.0)  # [B, N, H, K]
-
-    # W and q Gamma both multiply the incoming state: one matmul with 2C rows per chunk
-    WQ = jnp.concatenate([W, q_gamma], axis=-2)  # [B, N, H, 2C, K]
+    gamma = jnp.exp(G[0] + G[1])  # [B, N, H, C, K], <= 1
+    rhs = beta[..., None] * jnp.concatenate([v, jnp.where(reads_state, gamma * k, 0.0)], axis=-1)
+    UW = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(L), rhs, precision=PRECISION)  # [.., C, V + K]
+    A_UW = jnp.einsum("...ij,...jd->...id", A_qk, UW, precision=PRECISION)
+    q_eff = jnp.where(reads_state, q * gamma, 0.0) - A_UW[..., V:]  # [B, N, H, C, K]
+    decay_to_end = jnp.exp((G[0][..., -1:, :] - G[0]) + (G[1][..., -1:, :] - G[1]))  # [B, N, H, C, K], <= 1
+    k_out = jnp.where(in_last_segment, decay_to_end * k, 0.0)
+    state_decay = jnp.where(reads_state[..., -1, :], gamma[..., -1, :], 0.0)  # [B, N, H, K]
+    kUW = jnp.einsum("...ck,...cd->...kd", k_out, UW, precision=PRECISION)  # [B, N, H, K, V + K]
+    M = state_decay[..., :, None] * jnp.eye(K, dtype=dtype) - kUW[..., V:]  # [B, N, H, K, K]
 
     def chunk_step(S, xs):
-        U, WQ, A_qk, k_out, state_decay = xs
-        WQ_S = jnp.einsum("bhck,bhkv->bhcv", WQ, S, precision=_PRECISION)  # [B, H, 2C, V]
-        delta = U - WQ_S[..., :C, :]
-        o = WQ_S[..., C:, :] + jnp.einsum("bhij,bhjv->bhiv", A_qk, delta, precision=_PRECISION)
-        S = state_decay[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", k_out, delta, precision=_PRECISION)
-        return S, o
+        M, b = xs
+        return jnp.einsum("bhij,bhjv->bhiv", M, S, precision=PRECISION) + b, S
 
     S0 = jnp.zeros((B, H, K, V), dtype) if initial_state is None else initial_state
-    chunk_major = [jnp.moveaxis(x, 1, 0) for x in (U, WQ, A_qk, k_out, state_decay)]
-    S, o = jax.lax.scan(chunk_step, S0, chunk_major)  # o [N, B, H, C, V]
-    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
+    S, S_in = jax.lax.scan(chunk_step, S0, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(kUW[..., :V], 1, 0)))
+    o = jnp.einsum("bnhck,nbhkv->bnhcv", q_eff, S_in, precision=PRECISION) + A_UW[..., :V]
+    o = jnp.moveaxis(o, 3, 2).reshape(B, N * C, H, V)[:, :T]
     return o.astype(out_dtype), (S if output_final_state else None)
