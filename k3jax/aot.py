@@ -41,6 +41,7 @@ and the optimizer; the Newton-Schulz part of it is counted analytically and show
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -332,13 +333,27 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
     if accum > 1:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
         log(f"  grad_accum={accum}: compiling one micro-batch's step for the FLOPs")
-        per_device = _flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len).compile())
+        with _no_persistent_cache():
+            per_device = _flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len).compile())
     groups = abstract_model(cfg.model).plan.num_groups
     if groups > 1:
         log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
         baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, batch, job.seq_len)
-        per_device += (groups - 1) * (per_device - _flops(baseline.compile()))
+        with _no_persistent_cache():
+            per_device += (groups - 1) * (per_device - _flops(baseline.compile()))
     return accum * per_device * mesh.size - (accum - 1) * ns_flops
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """Topology executables cannot be loaded back without a TPU client, and full-K3 ones are large:
+    keep them out of the persistent compilation cache (``k3jax.compile_cache``)."""
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
 
 
 def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
@@ -357,7 +372,8 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     try:
         lowered = lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len)
         log(f"  lowered in {time.perf_counter() - t0:.0f} s; compiling")
-        compiled = lowered.compile()
+        with _no_persistent_cache():
+            compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is a result
         if not _OOM.search(str(e)):
             raise

@@ -30,6 +30,20 @@ def out_struct(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
+def match_varying(x, like):
+    """``x`` made device-varying over the manual mesh axes ``like`` varies over (inside ``jax.shard_map``;
+    a no-op elsewhere). A ``custom_vjp`` must return cotangents of its inputs' types, so a weight shared
+    by all devices is made varying *before* the kernel and JAX sums its gradient over the devices."""
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _varying_axes(x) -> set:
+    t = jax.typeof(x)
+    mat = getattr(t, "mat", None)  # jax 0.10: ManualAxisType(varying=...); later releases: .vma
+    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+
 def resolve(interpret, backend):
     """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
 

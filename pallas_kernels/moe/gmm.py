@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import HIGHEST, out_struct, resolve
+from pallas_kernels._common import HIGHEST, match_varying, out_struct, resolve
 from pallas_kernels.moe import gmm_gpu
 
 F32 = jnp.float32
@@ -275,4 +275,5 @@ def grouped_matmul(lhs, rhs, group_sizes, *, tiling=None, interpret=None, backen
     Gradients: ``dx = gmm(dy, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dy)``; none for group_sizes.
     """
     interpret, backend = _resolve(interpret, backend)
+    lhs, rhs = match_varying(lhs, rhs), match_varying(rhs, lhs)
     return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), _tiling(tiling, backend), interpret, backend)
