@@ -170,9 +170,11 @@ def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None) -> list[tu
     return out
 
 
-def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, float], dict[str, str]]:
-    """Runs per step of every computation reachable from ``entry`` and the op_name of its first caller
-    (the prefix of the relative names inside it)."""
+def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, float], dict[tuple[str, str], str]]:
+    """Runs per step of every computation reachable from ``entry``, and every instruction's full name:
+    its op_name, prefixed with its first caller's when relative; an instruction whose name holds no part
+    (no metadata: XLA's own rewrites, e.g. the dense transpose of a ragged dot) takes the name of an
+    operand that has one, the latest in the step (a backward operand makes it backward work)."""
     edges = collections.defaultdict(list)
     indegree = collections.Counter()
     for comp, instrs in comps.items():
@@ -183,16 +185,24 @@ def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, fl
                     indegree[callee] += 1
     mult = collections.defaultdict(float, {entry: 1.0})
     context = {entry: ""}
+    names: dict[tuple[str, str], str] = {}
     ready = [c for c in comps if indegree[c] == 0]
     while ready:
         comp = ready.pop()
+        local: dict[str, str] = {}
+        for ins in comps[comp]:  # operands come first in HLO text
+            name = full_name(ins.op_name, context.get(comp, "")) if ins.op_name else ""
+            if part_of(name) == "other":  # unnamed, or named outside every part (XLA's own ops)
+                named = [local[o] for o in ins.operands if part_of(local.get(o, "")) != "other"]
+                name = max(named, key=_phase_rank) if named else name or context.get(comp, "")
+            local[ins.name] = names[(comp, ins.name)] = name
         for callee, times, ins in edges[comp]:
             mult[callee] += mult[comp] * times
-            context.setdefault(callee, full_name(ins.op_name, context.get(comp, "")))
+            context.setdefault(callee, local[ins.name])
             indegree[callee] -= 1
             if indegree[callee] == 0:
                 ready.append(callee)
-    return mult, context
+    return mult, names
 
 
 def full_name(op_name: str, context: str) -> str:
@@ -209,6 +219,10 @@ def _scope_names(name: str) -> list[str]:
             comp = comp[comp.index("(") + 1:-1]
         out.append(comp)
     return out
+
+
+def _phase_rank(name: str) -> int:
+    return {"forward": 0, "recompute": 1, "backward": 2, "optimizer": 3}[phase_of(name, part_of(name))]
 
 
 def part_of(name: str) -> str:
@@ -336,7 +350,7 @@ class Breakdown:
 def breakdown(hlo_text: str) -> Breakdown:
     """Count the per-device FLOPs, HBM bytes and collective bytes of one step (module docstring)."""
     comps, entry = parse_hlo(hlo_text)
-    mult, context = multipliers(comps, entry)
+    mult, names = multipliers(comps, entry)
     fused = {callee for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
              for callee, _ in _callees(ins)}
     out = Breakdown()
@@ -345,9 +359,8 @@ def breakdown(hlo_text: str) -> Breakdown:
         if not times:
             continue
         shapes = {ins.name: ins.shape for ins in instrs}
-        ctx = context.get(comp, "")
         for ins in instrs:
-            name = full_name(ins.op_name, ctx)
+            name = names.get((comp, ins.name), ins.op_name)
             part = part_of(name)
             key = (part, phase_of(name, part))
             if ins.opcode == "dot":

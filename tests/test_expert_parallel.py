@@ -135,16 +135,31 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu():
     mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=topo.devices)
     n, latent, width, num_experts, top_k = 256, 128, 256, 16, 4
 
-    def loss(z, logits, w_gate, w_up, w_down):
-        route = sigmoid_topk_route(logits, None, top_k)
-        u = expert_parallel_experts(z, route.experts, route.weights, w_gate, w_up, w_down, activation="situ_glu")
-        return jnp.sum(u * u)
+    from k3jax import breakdown
 
     def arg(shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("expert")))
 
     args = [arg((n, latent)), arg((n, num_experts)), arg((num_experts, latent, width)),
             arg((num_experts, latent, width)), arg((num_experts, width, latent))]
-    with jax.set_mesh(mesh):  # the mesh's platform is TPU, so "auto" picks ragged_all_to_all
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile()
-    assert "ragged-all-to-all" in compiled.as_text()
+    flops = {}
+    for impl in ("auto", "ragged_dot"):
+        def loss(z, logits, w_gate, w_up, w_down):
+            route = sigmoid_topk_route(logits, None, top_k)
+            with jax.named_scope("routed_experts"):
+                u = expert_parallel_experts(z, route.experts, route.weights, w_gate, w_up, w_down,
+                                            activation="situ_glu", impl=impl)
+            return jnp.sum(u * u)
+
+        with jax.set_mesh(mesh):  # the mesh's platform is TPU, so "auto" picks ragged_all_to_all
+            compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile()
+        text = compiled.as_text()
+        assert "ragged-all-to-all" in text
+        b = breakdown.breakdown(text)
+        flops[impl] = (b.flops[("routed_experts", "forward")], b.flops[("routed_experts", "backward")])
+    # auto = the Pallas grouped matmul on TPU: the backward (input and weight gradients) is twice the
+    # forward, counted from the kernels' cost estimates; XLA's ragged_dot transpose runs every local
+    # expert over every received row for the weight gradient
+    fwd, bwd = flops["auto"]
+    assert fwd > 0 and bwd == pytest.approx(2 * fwd, rel=0.01)
+    assert flops["ragged_dot"][1] > 2 * bwd
