@@ -32,7 +32,7 @@ shapes stay static under ``jit``:
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda_chunk import MAX_CHUNK, PRECISION, chunk_scores, split_cumsum, unit_lower_inverse
+from k3jax.ops.kda_chunk import DENSE_MIN_SUM, MAX_CHUNK, PRECISION, ChunkGates, chunk_scores, unit_lower_inverse
 
 
 
@@ -215,28 +215,35 @@ def chunk_kda(
     same_segment = n_resets[..., :, None] == n_resets[..., None, :]  # [B, N, 1, C(i), C(j)]
     causal = jnp.tril(jnp.ones((C, C), bool))
 
-    G = split_cumsum(g, axis=3)  # (hi, lo), [B, N, H, C, K] each
-    A_qk, A_kk = chunk_scores((q, k), k, G)  # [B, N, H, C(i), C(j)]
+    gates = ChunkGates.from_gate(g)  # cumsums per 16-token sub-tile, [B, N, H, C/16, 16, K]
+    # dense diagonal sub-tiles when the gate allows (both branches are compiled, one runs)
+    A_qk, A_kk = jax.lax.cond(jax.lax.stop_gradient(gates.min_subtile_sum >= DENSE_MIN_SUM),
+                              lambda: chunk_scores((q, k), k, g, gates, True),
+                              lambda: chunk_scores((q, k), k, g, gates, False))  # [B, N, H, C(i), C(j)]
     A_qk = jnp.where(same_segment & causal, A_qk, 0.0)
     L = beta[..., :, None] * jnp.where(same_segment & causal & ~jnp.eye(C, dtype=bool), A_kk, 0.0)
 
-    gamma = jnp.exp(G[0] + G[1])  # [B, N, H, C, K], <= 1
+    per_token = lambda x: x.reshape(B, N, H, C, -1)
+    G, G_last = gates.G, gates.G_last
+    gamma = per_token(jnp.exp(G[0] + G[1]))  # [B, N, H, C, K], <= 1
     rhs = beta[..., None] * jnp.concatenate([v, jnp.where(reads_state, gamma * k, 0.0)], axis=-1)
     UW = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(L), rhs, precision=PRECISION)  # [.., C, V + K]
-    A_UW = jnp.einsum("...ij,...jd->...id", A_qk, UW, precision=PRECISION)
-    q_eff = jnp.where(reads_state, q * gamma, 0.0) - A_UW[..., V:]  # [B, N, H, C, K]
-    decay_to_end = jnp.exp((G[0][..., -1:, :] - G[0]) + (G[1][..., -1:, :] - G[1]))  # [B, N, H, C, K], <= 1
+    U, W = UW[..., :V], UW[..., V:]  # [B, N, H, C, V], [B, N, H, C, K]
+    q_gamma = jnp.where(reads_state, q * gamma, 0.0)  # [B, N, H, C, K]
+    decay_to_end = per_token(jnp.exp((G_last[0] - G[0]) + (G_last[1] - G[1])))  # [B, N, H, C, K], <= 1
     k_out = jnp.where(in_last_segment, decay_to_end * k, 0.0)
     state_decay = jnp.where(reads_state[..., -1, :], gamma[..., -1, :], 0.0)  # [B, N, H, K]
-    kUW = jnp.einsum("...ck,...cd->...kd", k_out, UW, precision=PRECISION)  # [B, N, H, K, V + K]
-    M = state_decay[..., :, None] * jnp.eye(K, dtype=dtype) - kUW[..., V:]  # [B, N, H, K, K]
 
     def chunk_step(S, xs):
-        M, b = xs
-        return jnp.einsum("bhij,bhjv->bhiv", M, S, precision=PRECISION) + b, S
+        U, W, k_out, state_decay = xs
+        delta = U - jnp.einsum("bhck,bhkv->bhcv", W, S, precision=PRECISION)
+        S_next = state_decay[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", k_out, delta, precision=PRECISION)
+        return S_next, (S, delta)
 
     S0 = jnp.zeros((B, H, K, V), dtype) if initial_state is None else initial_state
-    S, S_in = jax.lax.scan(chunk_step, S0, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(kUW[..., :V], 1, 0)))
-    o = jnp.einsum("bnhck,nbhkv->bnhcv", q_eff, S_in, precision=PRECISION) + A_UW[..., :V]
+    S, (S_in, delta) = jax.lax.scan(chunk_step, S0, [jnp.moveaxis(x, 1, 0) for x in (U, W, k_out, state_decay)])
+    # the outputs of all chunks at once: o = (q Gamma) S + A_qk delta
+    o = (jnp.einsum("bnhck,nbhkv->bnhcv", q_gamma, S_in, precision=PRECISION)
+         + jnp.einsum("bnhij,nbhjv->bnhiv", A_qk, delta, precision=PRECISION))
     o = jnp.moveaxis(o, 3, 2).reshape(B, N * C, H, V)[:, :T]
     return o.astype(out_dtype), (S if output_final_state else None)

@@ -5,25 +5,36 @@ g <= 0), chunkwise KDA needs score matrices
 
     A[i, j] = sum_d x_id k_jd exp(G_id - G_jd)        (j <= i; 0 above the diagonal)
 
-for x = q and x = k. Forming the pairwise decays ``exp(G_i - G_j)`` costs ``C * C * K`` per chunk.
-Here the chunk is split recursively into child blocks (C -> C/4 -> ... -> a leaf of at most 4 rows).
-A pair (i, j) in different children a > b of one parent block factors through an *anchor*
-``c_a = G`` at the row just before child a starts (research/kda.md §6.3; fla's sub-chunks):
+for x = q and x = k. Forming the pairwise decays ``exp(G_i - G_j)`` costs ``C * C * K`` per chunk. Here
+(as in fla's chunk kernels and ``pallas_kernels/kda/_math.py``) the chunk is split into sub-tiles of
+``SUBTILE = 16`` rows. A pair (i, j) with i in sub-tile a and j in an earlier sub-tile b factors through
+the *anchor* ``c_a = G`` at the row before sub-tile a (research/kda.md §6.3):
 
-    exp(G_i - G_j) = exp(G_i - c_a) * exp(c_a - e_b) * exp(e_b - G_j),    e_b = G at the end of child b
+    exp(G_i - G_j) = exp(G_i - c_a) * exp(c_a - G_j),   both factors <= 1 (sums of g over forward ranges)
 
-and every factor is <= 1 (each exponent is a sum of g over a forward range), so nothing can overflow
-for any gate, and the product is a batched matmul per parent. Only the leaf pairs (i, j in one block of
-<= 4 rows) are formed elementwise: ``4 * K`` numbers per token, not ``C * K``.
+so the scores of sub-tile a's rows are one matmul against the keys scaled by ``exp(c_a - G_j)``: a
+batched matmul over (chunk, sub-tile), with ``SUBTILE / C`` of the chunk's rows each, and the key
+factors cost ``C / SUBTILE`` times the input, not ``C`` times. The diagonal sub-tiles (i, j in one
+sub-tile) come in two ways:
 
-Accuracy: G is kept as an exact coarse part plus a small remainder (``split_cumsum``) and every exponent
-above is a difference of two such pairs, so each exponent is accurate to ``eps * |exponent|`` however
-large G itself grows (a plain cumsum would lose ``eps * |G|``).
+- *dense* (every sub-tile's sum of g >= ``DENSE_MIN_SUM`` = -80, e.g. the K3 gate g >= -5): the same
+  factorisation with ``exp(c_a - G_j) <= e^80``, finite in float32, so the whole chunk is that one
+  batched matmul (fla's ``safe_gate``; the Pallas kernels' dense path);
+- *exact* (any g <= 0, e.g. a softplus gate at -100): the sub-tile is split again into blocks of
+  ``LEAF = 4`` rows with the same anchored factorisation between blocks, and inside a block the decay
+  of a pair is the product of the per-step decays ``exp(g_t)`` over ``j < t <= i``: ``LEAF * K``
+  numbers per token.
+
+Accuracy: cumsums are kept as an exact coarse part plus a small remainder (``split``), so every exponent
+formed as a difference is accurate to ``eps * |exponent|`` however large G grows (a plain cumsum would
+lose ``eps * |G|``); the dense diagonal factors ``exp(-Gs_j) <= e^80`` lose up to ``80 eps`` (relative
+5e-6) on those entries, which is why the gate decides the path.
 
 All functions take any leading batch dims (``[..]``, e.g. ``[B, N, H]``) and are pure ``jnp``.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,105 +45,146 @@ PRECISION = jax.lax.Precision.HIGHEST
 # Floor on the per-step log-decay: exp(-128) already underflows to 0 in float32 (so the recurrence is
 # unchanged; in float64 the change is below 1e-55), and it bounds |chunk cumsum| by 128 * C.
 G_FLOOR = -128.0
-# Grid of the coarse part of g in split_cumsum: sums of multiples of 2**-8 below 2**16 in magnitude are
-# exact in float32 (24-bit significand), i.e. for chunks of up to 511 tokens.
+# Grid of the coarse part of g in split: sums of multiples of 2**-8 below 2**16 in magnitude are exact in
+# float32 (24-bit significand), i.e. for chunks of up to 511 tokens.
 _G_GRID = 2.0**-8
-LEAF = 4  # rows of the blocks whose pairwise decays are formed elementwise
-MAX_CHUNK = 256  # split_cumsum's exactness bound (511), rounded down to a power of two
+MAX_CHUNK = 256  # the grid's exactness bound (511), rounded down to a power of two
+SUBTILE = 16  # rows of the anchored sub-tiles (fla's BC)
+LEAF = 4  # rows of the exact path's innermost blocks
+DENSE_MIN_SUM = -80.0  # dense diagonal sub-tiles need every sub-tile sum of g >= -80 (e^80 < float32 max)
 
 
-def split_cumsum(g, axis):
-    """Cumsum of g (floored at ``G_FLOOR``) along ``axis`` as ``(G_hi, G_lo)``: ``G_hi`` exact, ``G_lo`` tiny.
-
-    g is split into a part on a coarse grid, whose cumsum has no rounding at all, and the small
-    remainder; so ``(G_hi_i - G_hi_j) + (G_lo_i - G_lo_j)`` is accurate to ``eps * |G_i - G_j|``. The
-    gradient goes through the remainder, so d/dg is that of a plain cumsum.
-    """
+def split(g):
+    """g floored at ``G_FLOOR`` as ``(g_hi, g_lo)``: ``g_hi`` on a coarse grid (its sums are exact), ``g_lo``
+    the small remainder; the gradient goes through ``g_lo``, so d/dg of any sum is that of g."""
     g = jnp.maximum(g, G_FLOOR)
     g_hi = jax.lax.stop_gradient(jnp.round(g / _G_GRID) * _G_GRID)
-    G_hi, G_lo = jnp.cumsum(jnp.stack([g_hi, g - g_hi]), axis=axis + 1)
-    return G_hi, G_lo
+    return g_hi, g - g_hi
+
+
+def _map(fn, *pairs):
+    """Apply fn to the hi parts and to the lo parts of split values."""
+    return tuple(fn(*xs) for xs in zip(*pairs))
+
+
+def _value(x):
+    return x[0] + x[1]
 
 
 def _sub(a, b):
-    """Exponent ``a - b`` of two split cumsums ``(hi, lo)``, accurate to ``eps * |a - b|``."""
+    """``a - b`` of two split values, accurate to ``eps * |a - b|``."""
     return (a[0] - b[0]) + (a[1] - b[1])
 
 
-def _rows(G, fn):
-    """Apply fn to both halves of a split cumsum."""
-    return fn(G[0]), fn(G[1])
+class ChunkGates(NamedTuple):
+    """The gate of every chunk as sub-tile cumsums: ``Gs [.., NC, BC, K]`` (inclusive cumsum of g inside
+    each sub-tile of BC rows) and ``P [.., NC, 1, K]`` (sum of g over the chunk's earlier sub-tiles), both
+    split (hi, lo) pairs. The chunk-local cumsum is ``G = P + Gs``."""
+
+    Gs: tuple
+    P: tuple
+
+    @classmethod
+    def from_gate(cls, g):
+        """g ``[.., C, K]`` (<= 0) with C a power of two <= ``MAX_CHUNK``."""
+        C, K = g.shape[-2:]
+        if C & (C - 1) or C > MAX_CHUNK:
+            raise ValueError(f"the chunk must be a power of two <= {MAX_CHUNK}, got {C}")
+        BC = min(SUBTILE, C)
+        g = split(g.reshape(*g.shape[:-2], C // BC, BC, K))
+        Gs = _map(lambda x: jnp.cumsum(x, axis=-2), g)
+        P = _map(lambda x: jnp.cumsum(x, axis=-3) - x, _map(lambda x: x[..., -1:, :], Gs))
+        return cls(Gs, P)
+
+    @property
+    def G(self):
+        """Chunk-local inclusive cumsum, split, ``[.., NC, BC, K]``."""
+        return _map(jnp.add, self.P, self.Gs)
+
+    @property
+    def G_last(self):
+        """Sum of g over the chunk, split, ``[.., 1, 1, K]``."""
+        return _map(lambda P, Gs: P[..., -1:, :, :] + Gs[..., -1:, -1:, :], self.P, self.Gs)
+
+    @property
+    def min_subtile_sum(self):
+        """Smallest sum of g over one sub-tile (decides the dense path)."""
+        return jnp.min(_value(self.Gs)[..., -1, :])
 
 
-def block_plan(C):
-    """Parent block sizes, largest first, and the leaf size for a chunk of C rows (a power of two)."""
-    if C & (C - 1):
-        raise ValueError(f"the chunk must be a power of two, got {C}")
-    parents, s = [], C
-    while s > LEAF:
-        parents.append(s)
-        s //= 4 if s >= 4 * LEAF else 2
-    return parents, s
+def _leaf_scores(xs, k, g, leaf):
+    """Scores inside blocks of ``leaf`` rows from per-step decays: ``[n, .., R/leaf, leaf(i), leaf(j)]``.
 
-
-def _leaf_scores(xs, k, G, leaf):
-    """Scores inside blocks of ``leaf`` rows, elementwise: ``[n, .., C/leaf, leaf(i), leaf(j)]``, j <= i."""
-    C, K = k.shape[-2:]
-    blocks = lambda x: x.reshape(*x.shape[:-2], C // leaf, leaf, K)
-    Gb = _rows(G, blocks)
-    mask = jnp.tril(jnp.ones((leaf, leaf), bool))[..., None]  # [leaf(i), leaf(j), 1]
-    diff = _sub(_rows(Gb, lambda x: x[..., :, None, :]), _rows(Gb, lambda x: x[..., None, :, :]))
-    # above the diagonal the exponent is > 0 and could overflow: replaced before exp (the double where
-    # keeps its gradient at 0, not NaN)
-    decay = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)  # [.., C/leaf, leaf, leaf, K]
-    kd = blocks(k)[..., None, :, :] * decay
-    return jnp.stack([jnp.sum(blocks(x)[..., :, None, :] * kd, axis=-1) for x in xs])
-
-
-def _parent_scores(xs, k, G, p, s):
-    """Scores between different children (b < a) of each parent block of p rows, children of s rows,
-    through the anchors: ``[n, .., C/p, m(a), s(i), m(b), s(j)]`` (zero for b >= a)."""
-    C, K = k.shape[-2:]
-    m = p // s
-    # end of every child e_b and the anchor c_a (the end of the child before, 0 at the chunk start)
-    ends = _rows(G, lambda x: x[..., s - 1::s, :])  # [.., C/s, K]
-    anchors = _rows(ends, lambda x: jnp.pad(x[..., :-1, :], [(0, 0)] * (x.ndim - 2) + [(1, 0), (0, 0)]))
-    children = lambda x: x.reshape(*x.shape[:-2], C // p, m, s, K)
-    per_child = lambda x: x.reshape(*x.shape[:-2], C // p, m, 1, K)
-    Gc = _rows(G, children)
-    q_fac = jnp.exp(_sub(Gc, _rows(anchors, per_child)))  # exp(G_i - c_a) <= 1, [.., C/p, m, s, K]
-    k_fac = jnp.exp(_sub(_rows(ends, per_child), Gc))  # exp(e_b - G_j) <= 1
-    # exp(c_a - e_b) for b < a (<= 1), [.., C/p, m(a), m(b), K]
-    a_of = _rows(anchors, lambda x: x.reshape(*x.shape[:-2], C // p, m, 1, K))
-    b_of = _rows(ends, lambda x: x.reshape(*x.shape[:-2], C // p, 1, m, K))
-    lower = jnp.tril(jnp.ones((m, m), bool), -1)[..., None]
-    transfer = jnp.where(lower, jnp.exp(jnp.minimum(_sub(a_of, b_of), 0.0)), 0.0)
-    keys = transfer[..., :, :, None, :] * (children(k) * k_fac)[..., None, :, :, :]  # [.., P, a, b, j, K]
-    lhs = jnp.stack([children(x) * q_fac for x in xs])  # [n, .., P, a, i, K]
-    return jnp.einsum("n...aid,...abjd->n...aibj", lhs, keys, precision=PRECISION)
+    xs, k ``[.., R, K]``, g ``[.., R, K]`` (floored). The decay of pair j < i is ``prod_{j<t<=i} exp(g_t)``:
+    a product of numbers <= 1 (relative error ``leaf * eps``, underflow only to a true ~0).
+    """
+    R, K = k.shape[-2:]
+    blocks = lambda x: x.reshape(*x.shape[:-2], R // leaf, leaf, K)
+    xb, kb, a = [blocks(x) for x in xs], blocks(k), jnp.exp(blocks(g))
+    rows = []
+    for i in range(leaf):
+        cols, r = [], None  # r = decay from row j to row i
+        for j in range(i, -1, -1):
+            kd = kb[..., j, :] if r is None else kb[..., j, :] * r
+            cols.append(jnp.stack([jnp.sum(x[..., i, :] * kd, axis=-1) for x in xb]))
+            r = a[..., j, :] if r is None else r * a[..., j, :]
+        cols = cols[::-1] + [jnp.zeros_like(cols[0])] * (leaf - 1 - i)
+        rows.append(jnp.stack(cols, axis=-1))
+    return jnp.stack(rows, axis=-2)
 
 
 def _block_diag(A, m):
-    """``[.., P, m, s, s]`` diagonal blocks -> ``[.., P, m, s, m, s]`` (zeros off the diagonal)."""
-    return A[..., :, :, :, None, :] * jnp.eye(m, dtype=A.dtype)[:, None, :, None]
+    """``[.., m, s, s]`` diagonal blocks -> ``[.., m, s, m, s]`` (zeros off the diagonal)."""
+    return A[..., :, :, None, :] * jnp.eye(m, dtype=A.dtype)[:, None, :, None]
 
 
-def chunk_scores(xs, k, G):
+def _anchored(xs, k, Gs, P, dense):
+    """Scores of sub-tile rows against the keys of earlier sub-tiles (and of their own sub-tile when
+    ``dense``) through the anchors ``P_a``: ``[n, .., NC, BC, NC * BC]``.
+
+    xs, k ``[.., NC, BC, K]``; Gs the split cumsum inside each sub-tile, P the split cumsum before it
+    ``[.., NC, 1, K]``.
+    """
+    NC, BC, K = k.shape[-3:]
+    a_idx, b_idx = jnp.arange(NC)[:, None, None, None], jnp.arange(NC)[None, :, None, None]
+    keep = (b_idx <= a_idx) if dense else (b_idx < a_idx)  # [NC(a), NC(b), 1, 1]
+    # c_a - G_j = P_a - P_b - Gs_j (<= 0 for b < a; -Gs_j <= 80 on the dense diagonal), [.., a, b, BC, K]
+    expo = _sub(_map(lambda P: P[..., :, None, :, :], P), _map(lambda P, Gs: (P + Gs)[..., None, :, :, :], P, Gs))
+    # masked exponents are replaced before exp (the double where keeps their gradient at 0, not NaN)
+    k_fac = jnp.where(keep, jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
+    keys = (k[..., None, :, :, :] * k_fac).reshape(*k.shape[:-3], NC, NC * BC, K)  # [.., a, C, K]
+    q_fac = jnp.exp(_value(Gs))  # exp(G_i - c_a) <= 1
+    lhs = jnp.concatenate([x * q_fac for x in xs], axis=-2)  # [.., a, n * BC, K]: one matmul for all xs
+    A = jnp.einsum("...aik,...ajk->...aij", lhs, keys, precision=PRECISION)
+    return jnp.stack(jnp.split(A, len(xs), axis=-2))
+
+
+def chunk_scores(xs, k, g, gates, dense):
     """Causal decay scores of every chunk: for each x in xs, ``A [.., C, C]`` with
     ``A_ij = sum_d x_id k_jd exp(G_id - G_jd)`` for j <= i and 0 above the diagonal.
 
-    xs: a sequence of ``[.., C, K]``; k ``[.., C, K]``; G the chunk-local inclusive cumsum of g as a
-    ``split_cumsum`` pair of ``[.., C, K]``; C a power of two. Returns a stacked ``[len(xs), .., C, C]``.
+    xs: a sequence of ``[.., C, K]``; k ``[.., C, K]``; g the gate ``[.., C, K]``; gates its
+    ``ChunkGates``; dense (a Python bool): the dense diagonal sub-tiles, valid when
+    ``gates.min_subtile_sum >= DENSE_MIN_SUM``. Returns a stacked ``[len(xs), .., C, C]``.
     """
-    C = k.shape[-2]
-    parents, leaf = block_plan(C)
-    A = _leaf_scores(xs, k, G, leaf)  # [n, .., C/leaf, leaf, leaf]
-    s = leaf
-    for p in reversed(parents):  # bottom-up: each parent = its children on the diagonal + the anchored rest
-        m = p // s
-        A = A.reshape(*A.shape[:-3], C // p, m, s, s)
-        A = (_parent_scores(xs, k, G, p, s) + _block_diag(A, m)).reshape(*A.shape[:-4], C // p, p, p)
-        s = p
+    C, K = k.shape[-2:]
+    BC = min(SUBTILE, C)
+    NC = C // BC
+    sub = lambda x: x.reshape(*x.shape[:-2], NC, BC, K)
+    xs, k_s = [sub(x) for x in xs], sub(k)
+    A = _anchored(xs, k_s, gates.Gs, gates.P, dense)  # [n, .., NC, BC, C]
+    if not dense:  # the diagonal sub-tiles: anchored LEAF-row blocks, per-step decays inside them
+        leaf = min(LEAF, BC)
+        m = BC // leaf
+        Gl = _map(lambda x: x.reshape(*x.shape[:-2], m, leaf, K), gates.Gs)
+        P_blk = _map(lambda x: jnp.pad(x[..., :-1, -1:, :], [(0, 0)] * (x.ndim - 3) + [(1, 0), (0, 0), (0, 0)]), Gl)
+        Gs_blk = _map(jnp.subtract, Gl, P_blk)  # inclusive cumsum inside each block (exact hi part)
+        blk = lambda x: x.reshape(*x.shape[:-2], m, leaf, K)
+        between = _anchored([blk(x) for x in xs], blk(k_s), Gs_blk, P_blk, False)  # [n, .., NC, m, leaf, BC]
+        g_s = _value(split(sub(g)))
+        inside = _leaf_scores(xs, k_s, g_s, leaf)  # [n, .., NC, m, leaf, leaf]
+        diag = (between.reshape(*between.shape[:-3], m, leaf, m, leaf) + _block_diag(inside, m))
+        A = A + _block_diag(diag.reshape(*diag.shape[:-4], BC, BC), NC).reshape(A.shape)
     return A.reshape(*A.shape[:-3], C, C)
 
 
@@ -149,22 +201,21 @@ def _doubling_inverse(L):
     return inv
 
 
-def unit_lower_inverse(L, block=16):
-    """``(I + L)^-1`` for strictly lower-triangular ``L [.., C, C]``, with batched matmuls only.
+@jax.custom_vjp
+def unit_lower_inverse(L):
+    """``X = (I + L)^-1`` for strictly lower-triangular ``L [.., C, C]`` (zeros on and above the diagonal),
+    with batched matmuls only.
 
-    The ``block x block`` diagonal blocks are inverted by doubling (``_doubling_inverse``), then block
-    forward substitution fills the block rows: ``X_a = D_a^-1 (E_a - L_{a,<a} X_{<a})``. (LAPACK's
-    batched triangular solve on XLA:CPU waits on its own thread pool and deadlocks on small machines;
-    matmuls also suit TPUs.)
+    The ``SUBTILE`` diagonal blocks are inverted by doubling (``_doubling_inverse``), then block forward
+    substitution fills the block rows: ``X_a = D_a^-1 (E_a - L_{a,<a} X_{<a})``. (LAPACK's batched
+    triangular solve on XLA:CPU waits on its own thread pool and deadlocks on small machines; matmuls
+    also suit TPUs.) Gradient: ``dL = -tril(X^T dX X^T, -1)``.
     """
     C = L.shape[-1]
-    block = min(block, C)
+    block = min(SUBTILE, C)
     nb = C // block
-    if nb * block != C:
-        raise ValueError(f"the matrix size {C} must be a multiple of the block {block}")
     Lb = L.reshape(*L.shape[:-2], nb, block, nb, block)
-    diag = jnp.stack([Lb[..., a, :, a, :] for a in range(nb)], axis=-3)  # [.., nb, block, block]
-    D_inv = _doubling_inverse(diag)
+    D_inv = _doubling_inverse(jnp.stack([Lb[..., a, :, a, :] for a in range(nb)], axis=-3))  # [.., nb, bl, bl]
     eye = jnp.eye(C, dtype=L.dtype)
     rows = []
     for a in range(nb):
@@ -175,3 +226,17 @@ def unit_lower_inverse(L, block=16):
                                    precision=PRECISION)
         rows.append(jnp.einsum("...ij,...jc->...ic", D_inv[..., a, :, :], rhs, precision=PRECISION))
     return jnp.concatenate(rows, axis=-2)
+
+
+def _unit_lower_inverse_fwd(L):
+    X = unit_lower_inverse(L)
+    return X, X
+
+
+def _unit_lower_inverse_bwd(X, dX):
+    XT = jnp.swapaxes(X, -1, -2)
+    dL = -jnp.einsum("...ij,...jk,...kl->...il", XT, dX, XT, precision=PRECISION)
+    return (jnp.tril(dL, -1),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
