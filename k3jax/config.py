@@ -278,7 +278,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots"] = "none"
+    # none; full: each layer's forward runs once more in the backward pass (8N); nested: a scanned
+    # group is checkpointed too (one more forward, 10N, for a group's worth of saved inputs); dots:
+    # matmul outputs saved (k3jax/model.py)
+    remat: Literal["none", "full", "nested", "dots"] = "none"
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
     kda_impl: Literal["xla", "pallas"] = "xla"
@@ -296,7 +299,8 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "must be float32 or bfloat16")
         _check(self.param_dtype in ("float32", "bfloat16"), f"{prefix}.param_dtype",
                "must be float32 or bfloat16")
-        _check(self.remat in ("none", "full", "dots"), f"{prefix}.remat", "must be none, full or dots")
+        _check(self.remat in ("none", "full", "nested", "dots"), f"{prefix}.remat",
+               "must be none, full, nested or dots")
         _check(self.kda_impl in ("xla", "pallas"), f"{prefix}.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
         _check(self.moe_impl in ("auto", "ragged_dot", "pallas"), f"{prefix}.moe_impl",
                f"must be auto, ragged_dot or pallas, got {self.moe_impl!r}")

@@ -105,9 +105,10 @@ def test_tiny_train_step_matches_analytic_count():
     for part in ("dense_ffn", "shared_experts", "latent_proj", "lm_head_loss"):
         measured = b.part_flops(part) - b.flops.get((part, "recompute"), 0.0)
         assert measured == pytest.approx(analytic[part], rel=0.02), part
-    # remat=full: the scanned groups' layers run their forward twice more (nested checkpoints), the
-    # unscanned ones once more; the head is not rematerialised
-    assert b.flops.get(("shared_experts", "recompute"), 0.0) > 0
+    # remat=full: every layer runs its forward once more in the backward pass; the
+    # head is not rematerialised
+    for part in ("shared_experts", "latent_proj"):  # at most one more forward (XLA may skip some)
+        assert 0 < b.flops[(part, "recompute")] <= 1.01 * b.flops[(part, "forward")], part
     assert b.flops.get(("lm_head_loss", "recompute"), 0.0) == 0
     assert b.part_flops("newton_schulz") == pytest.approx(aot.newton_schulz_flops(cfg), rel=0.02)
     for part in ("kda", "mla", "router", "routed_experts"):
