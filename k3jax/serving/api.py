@@ -26,6 +26,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
 from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
 from k3jax.serving.text import TextStream, chat_prompt
@@ -78,9 +79,9 @@ class ChatRequest(_Sampling):
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.message, self.param = message, param
+        self.message, self.param, self.status = message, param, status
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -104,6 +105,32 @@ def _param(loc: tuple) -> str:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(receive, cancel) -> None:
+    """Wait for the client to go away, then ``cancel()`` (run as a task beside a response)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel()
+
+
+class _EngineStream(StreamingResponse):
+    """An SSE response that cancels its request when it ends for any reason: the client going away
+    while the request waits for its first token (seen by ``receive``) or mid-stream (a failed send)."""
+
+    def __init__(self, content, cancel, **kwargs):
+        super().__init__(content, **kwargs)
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send):
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, self.cancel))
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):  # the client left; nothing to answer
+            pass
+        finally:
+            watcher.cancel()
+            self.cancel()
 
 
 class _Channel:
@@ -159,7 +186,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             if fields.get(name) not in (None, False, 0, 0.0, [], {}):
                 raise BadRequest(f"'{name}' is not supported by this server", name)
         if req.model is not None and req.model != model_name:
-            raise BadRequest(f"the model '{req.model}' does not exist; this server serves '{model_name}'", "model")
+            raise BadRequest(f"the model '{req.model}' does not exist; this server serves '{model_name}'", "model", 404)
         if req.n not in (None, 1):
             raise BadRequest(f"n must be 1, got {req.n}", "n")
         if req.temperature is not None and req.temperature < 0:
@@ -224,7 +251,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             param = _param(err["loc"])
             return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param or None)
         except BadRequest as e:
-            return error_response(400, e.message, e.param)
+            return error_response(e.status, e.message, e.param)
         channel = _Channel(asyncio.get_running_loop())
         seq = Sequence(prompt, params, channel.on_token, channel.on_finish)
         try:
@@ -239,8 +266,8 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         text = TextStream(tokenizer, stop)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(seq, channel, text, reply, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EngineStream(_stream(seq, channel, text, reply, usage), lambda: engine.cancel(seq),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, seq, channel, text, reply)
 
     async def _events(seq: Sequence, channel: _Channel, text: TextStream):
@@ -258,31 +285,23 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             yield delta, value, None
 
     async def _stream(seq, channel, text, reply: "_Reply", usage: bool):
-        try:
-            if reply.chat:
-                yield _sse(reply.chunk({"role": "assistant", "content": ""}))
-            async for delta, token, reason in _events(seq, channel, text):
-                if reason == "error":
-                    yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
-                                          "code": None}})
-                    return
-                if delta or (reply.token_ids and token is not None):
-                    yield _sse(reply.chunk(delta, [token] if token is not None else []))
-                if reason is not None:
-                    yield _sse(reply.chunk(None, [], reason))
-            if usage:
-                yield _sse(reply.usage_chunk(len(seq.generated)))
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client goes away mid-stream (the response task is cancelled)
-            engine.cancel(seq)
+        if reply.chat:
+            yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+        async for delta, token, reason in _events(seq, channel, text):
+            if reason == "error":
+                yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
+                                      "code": None}})
+                return
+            if delta or (reply.token_ids and token is not None):
+                yield _sse(reply.chunk(delta, [token] if token is not None else []))
+            if reason is not None:
+                yield _sse(reply.chunk(None, [], reason))
+        if usage:
+            yield _sse(reply.usage_chunk(len(seq.generated)))
+        yield "data: [DONE]\n\n"
 
     async def _collect(request: Request, seq, channel, text, reply: "_Reply"):
-        async def watch_disconnect():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            engine.cancel(seq)
-
-        watcher = asyncio.create_task(watch_disconnect())
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, lambda: engine.cancel(seq)))
         parts, ids, reason = [], [], None
         try:
             async for delta, token, reason in _events(seq, channel, text):

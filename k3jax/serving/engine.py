@@ -181,6 +181,21 @@ class Engine:
         self._length = 0  # the pool's write position (host copy of pool.length)
         self._prefill: _Prefill | None = None
 
+    def warmup(self) -> None:
+        """Compile every device program now (a prefill, an insert, a move of the slots, a decode
+        step on a dummy request), not at the first requests; then empty the pool."""
+        metrics, self.metrics = self.metrics, Metrics()  # the dummy request is not served traffic
+        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            seq = Sequence([0], SamplingParams(max_tokens=1), lambda t: None, lambda r: None)
+            self._start_prefill(seq)
+            while self._prefill is not None:
+                self._prefill_chunk()
+            self._realign(0)
+            self._decode_step()
+            jax.block_until_ready(self._pool)
+            self._reset()
+        self.metrics = metrics
+
     # --- the client side (any thread) ----------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ValueError when a request cannot fit in a row."""
@@ -227,6 +242,7 @@ class Engine:
         """Start the decode loop (once; later calls do nothing)."""
         if self._thread is not None:
             return self
+        self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
         self._thread.start()
         return self
