@@ -32,7 +32,7 @@ shapes stay static under ``jit``:
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda_chunk import DENSE_MIN_SUM, MAX_CHUNK, PRECISION, ChunkGates, chunk_scores, unit_lower_inverse
+from k3jax.ops.kda_chunk import MAX_CHUNK, PRECISION, ChunkGates, chunk_scores, unit_lower_inverse
 
 
 
@@ -215,15 +215,12 @@ def chunk_kda(
     same_segment = n_resets[..., :, None] == n_resets[..., None, :]  # [B, N, 1, C(i), C(j)]
     causal = jnp.tril(jnp.ones((C, C), bool))
 
-    gates = ChunkGates.from_gate(g)  # cumsums per 16-token sub-tile, [B, N, H, C/16, 16, K]
-    # dense diagonal sub-tiles when the gate allows (both branches are compiled, one runs)
-    A_qk, A_kk = jax.lax.cond(jax.lax.stop_gradient(gates.min_subtile_sum >= DENSE_MIN_SUM),
-                              lambda: chunk_scores((q, k), k, g, gates, True),
-                              lambda: chunk_scores((q, k), k, g, gates, False))  # [B, N, H, C(i), C(j)]
+    A_qk, A_kk = chunk_scores((q, k), k, g)  # [B, N, H, C(i), C(j)], zero above the diagonal
     A_qk = jnp.where(same_segment & causal, A_qk, 0.0)
     L = beta[..., :, None] * jnp.where(same_segment & causal & ~jnp.eye(C, dtype=bool), A_kk, 0.0)
 
     per_token = lambda x: x.reshape(B, N, H, C, -1)
+    gates = ChunkGates.from_gate(g)  # cumsums per 16-token sub-tile, [B, N, H, C/16, 16, K]
     G, G_last = gates.G, gates.G_last
     gamma = per_token(jnp.exp(G[0] + G[1]))  # [B, N, H, C, K], <= 1
     rhs = beta[..., None] * jnp.concatenate([v, jnp.where(reads_state, gamma * k, 0.0)], axis=-1)

@@ -33,6 +33,7 @@ lose ``eps * |G|``); the dense diagonal factors ``exp(-Gs_j) <= e^80`` lose up t
 All functions take any leading batch dims (``[..]``, e.g. ``[B, N, H]``) and are pure ``jnp``.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -145,31 +146,80 @@ def _anchored(xs, k, Gs, P, dense):
     xs, k ``[.., NC, BC, K]``; Gs the split cumsum inside each sub-tile, P the split cumsum before it
     ``[.., NC, 1, K]``.
     """
-    NC, BC, K = k.shape[-3:]
-    a_idx, b_idx = jnp.arange(NC)[:, None, None, None], jnp.arange(NC)[None, :, None, None]
-    keep = (b_idx <= a_idx) if dense else (b_idx < a_idx)  # [NC(a), NC(b), 1, 1]
-    # c_a - G_j = P_a - P_b - Gs_j (<= 0 for b < a; -Gs_j <= 80 on the dense diagonal), [.., a, b, BC, K]
-    expo = _sub(_map(lambda P: P[..., :, None, :, :], P), _map(lambda P, Gs: (P + Gs)[..., None, :, :, :], P, Gs))
-    # masked exponents are replaced before exp (the double where keeps their gradient at 0, not NaN)
-    k_fac = jnp.where(keep, jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
-    keys = (k[..., None, :, :, :] * k_fac).reshape(*k.shape[:-3], NC, NC * BC, K)  # [.., a, C, K]
-    q_fac = jnp.exp(_value(Gs))  # exp(G_i - c_a) <= 1
-    lhs = jnp.concatenate([x * q_fac for x in xs], axis=-2)  # [.., a, n * BC, K]: one matmul for all xs
-    A = jnp.einsum("...aik,...ajk->...aij", lhs, keys, precision=PRECISION)
+    A = _anchored_core(tuple(xs), k, *Gs, *P, dense)
     return jnp.stack(jnp.split(A, len(xs), axis=-2))
 
 
-def chunk_scores(xs, k, g, gates, dense):
+def _anchored_factors(k, Gs_hi, Gs_lo, P_hi, P_lo, dense):
+    """``(q_fac [.., a, BC, K], k_fac [.., a, b, BC, K])``: ``exp(G_i - c_a)`` and ``exp(c_a - G_j)``."""
+    NC = k.shape[-3]
+    a_idx, b_idx = jnp.arange(NC)[:, None, None, None], jnp.arange(NC)[None, :, None, None]
+    keep = (b_idx <= a_idx) if dense else (b_idx < a_idx)  # [NC(a), NC(b), 1, 1]
+    # c_a - G_j = P_a - P_b - Gs_j (<= 0 for b < a; -Gs_j <= 80 on the dense diagonal), [.., a, b, BC, K]
+    expo = _sub((P_hi[..., :, None, :, :], P_lo[..., :, None, :, :]),
+                ((P_hi + Gs_hi)[..., None, :, :, :], (P_lo + Gs_lo)[..., None, :, :, :]))
+    return jnp.exp(Gs_hi + Gs_lo), jnp.where(keep, jnp.exp(jnp.where(keep, expo, 0.0)), 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _anchored_core(xs, k, Gs_hi, Gs_lo, P_hi, P_lo, dense):
+    """``_anchored`` with the xs' rows concatenated: ``[.., NC, n * BC, NC * BC]``."""
+    q_fac, k_fac = _anchored_factors(k, Gs_hi, Gs_lo, P_hi, P_lo, dense)
+    NC, BC, K = k.shape[-3:]
+    keys = (k[..., None, :, :, :] * k_fac).reshape(*k.shape[:-3], NC, NC * BC, K)  # [.., a, C, K]
+    lhs = jnp.concatenate([x * q_fac for x in xs], axis=-2)  # [.., a, n * BC, K]: one matmul for all xs
+    return jnp.einsum("...aik,...ajk->...aij", lhs, keys, precision=PRECISION)
+
+
+def _anchored_core_fwd(xs, k, Gs_hi, Gs_lo, P_hi, P_lo, dense):
+    return _anchored_core(xs, k, Gs_hi, Gs_lo, P_hi, P_lo, dense), (xs, k, Gs_hi, Gs_lo, P_hi, P_lo)
+
+
+def _anchored_core_bwd(dense, res, dA):
+    """Two matmuls back to the scaled operands, then the factors' chain rule (``d exp(e) = exp(e) de``);
+    the exponent ``P_a - P_b - Gs_j`` hands its cotangent to P and Gs (hi and lo alike)."""
+    xs, k, Gs_hi, Gs_lo, P_hi, P_lo = res
+    q_fac, k_fac = _anchored_factors(k, Gs_hi, Gs_lo, P_hi, P_lo, dense)
+    NC, BC, K = k.shape[-3:]
+    kk = k[..., None, :, :, :] * k_fac  # [.., a, b, BC, K]
+    lhs = jnp.concatenate([x * q_fac for x in xs], axis=-2)
+    d_lhs = jnp.einsum("...aij,...ajk->...aik", dA, kk.reshape(*k.shape[:-3], NC, NC * BC, K), precision=PRECISION)
+    d_keys = jnp.einsum("...aij,...aik->...ajk", dA, lhs, precision=PRECISION).reshape(kk.shape)
+    d_lhs = jnp.split(d_lhs, len(xs), axis=-2)
+    dxs = tuple(d * q_fac for d in d_lhs)
+    d_expo = d_keys * kk  # [.., a, b, BC, K]
+    dk = jnp.sum(d_keys * k_fac, axis=-4)
+    dGs = sum(d * x for d, x in zip(d_lhs, xs)) * q_fac - jnp.sum(d_expo, axis=-4)
+    dP = jnp.sum(d_expo, axis=(-3, -2))[..., None, :] - jnp.sum(d_expo, axis=(-4, -2))[..., None, :]
+    return dxs, dk, dGs, dGs, dP, dP
+
+
+_anchored_core.defvjp(_anchored_core_fwd, _anchored_core_bwd)
+
+
+def chunk_scores(xs, k, g):
     """Causal decay scores of every chunk: for each x in xs, ``A [.., C, C]`` with
     ``A_ij = sum_d x_id k_jd exp(G_id - G_jd)`` for j <= i and 0 above the diagonal.
 
-    xs: a sequence of ``[.., C, K]``; k ``[.., C, K]``; g the gate ``[.., C, K]``; gates its
-    ``ChunkGates``; dense (a Python bool): the dense diagonal sub-tiles, valid when
-    ``gates.min_subtile_sum >= DENSE_MIN_SUM``. Returns a stacked ``[len(xs), .., C, C]``.
+    xs: a sequence of ``[.., C, K]``; k and g (the gate, <= 0) ``[.., C, K]``; C a power of two <=
+    ``MAX_CHUNK``. Returns a stacked ``[len(xs), .., C, C]``. The dense or the exact diagonal sub-tiles
+    are chosen at run time from the gate (``lax.cond``; both are compiled). The VJP recomputes the taken
+    branch (so a ``cond`` under autodiff does not carry the other branch's residuals).
     """
+    return _scores(tuple(xs), k, g)
+
+
+def dense_ok(g):
+    """Whether the dense diagonal sub-tiles are valid for the gate g ``[.., C, K]`` (a traced bool)."""
+    return jax.lax.stop_gradient(ChunkGates.from_gate(g).min_subtile_sum >= DENSE_MIN_SUM)
+
+
+def _scores_static(xs, k, g, dense):
+    """``chunk_scores`` with the path fixed by the Python bool ``dense``."""
     C, K = k.shape[-2:]
     BC = min(SUBTILE, C)
     NC = C // BC
+    gates = ChunkGates.from_gate(g)
     sub = lambda x: x.reshape(*x.shape[:-2], NC, BC, K)
     xs, k_s = [sub(x) for x in xs], sub(k)
     A = _anchored(xs, k_s, gates.Gs, gates.P, dense)  # [n, .., NC, BC, C]
@@ -181,11 +231,31 @@ def chunk_scores(xs, k, g, gates, dense):
         Gs_blk = _map(jnp.subtract, Gl, P_blk)  # inclusive cumsum inside each block (exact hi part)
         blk = lambda x: x.reshape(*x.shape[:-2], m, leaf, K)
         between = _anchored([blk(x) for x in xs], blk(k_s), Gs_blk, P_blk, False)  # [n, .., NC, m, leaf, BC]
-        g_s = _value(split(sub(g)))
-        inside = _leaf_scores(xs, k_s, g_s, leaf)  # [n, .., NC, m, leaf, leaf]
+        inside = _leaf_scores(xs, k_s, _value(split(sub(g))), leaf)  # [n, .., NC, m, leaf, leaf]
         diag = (between.reshape(*between.shape[:-3], m, leaf, m, leaf) + _block_diag(inside, m))
         A = A + _block_diag(diag.reshape(*diag.shape[:-4], BC, BC), NC).reshape(A.shape)
-    return A.reshape(*A.shape[:-3], C, C)
+    # the dense path leaves finite junk above the diagonal of its diagonal sub-tiles
+    return jnp.where(jnp.tril(jnp.ones((C, C), bool)), A.reshape(*A.shape[:-3], C, C), 0.0)
+
+
+@jax.custom_vjp
+def _scores(xs, k, g):
+    return _scores_fwd(xs, k, g)[0]
+
+
+def _scores_fwd(xs, k, g):
+    dense = dense_ok(g)
+    A = jax.lax.cond(dense, lambda *a: _scores_static(*a, True), lambda *a: _scores_static(*a, False), xs, k, g)
+    return A, (xs, k, g, dense)
+
+
+def _scores_bwd(res, dA):
+    xs, k, g, dense = res
+    vjp = lambda d: lambda xs, k, g, dA: jax.vjp(lambda *a: _scores_static(*a, d), xs, k, g)[1](dA)
+    return jax.lax.cond(dense, vjp(True), vjp(False), xs, k, g, dA)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def _doubling_inverse(L):
