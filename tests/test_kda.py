@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from k3jax.ops import chunk_kda, kda_gate_lower_bound, kda_gate_softplus, kda_step, recurrent_kda
+from k3jax.ops import chunk_kda, kda_chunk, kda_gate_lower_bound, kda_gate_softplus, kda_step, recurrent_kda
 
 FP32_TOL = 1e-5  # fp32 vs float64: measured ~1e-7, fla's own fp32 naive-chunk test uses 5e-3
 
@@ -312,6 +312,72 @@ def test_chunk_gradients_match_recurrent_and_fla(fla):
     _, gc = _chunk_fwd_bwd(q, k, v, g, beta, h, do, dS, no_seg)
     for name, a, b in zip(GRAD_NAMES, gc, t):
         assert rel_err(a, b.grad.numpy()) < FP32_TOL, name
+
+
+# ----------------------------------------------------------------------------- intra-chunk algebra (kda_chunk)
+
+
+def numpy_scores(x, k, g):
+    """float64 ``A_ij = sum_d x_id k_jd exp(G_id - G_jd)`` (j <= i) from the pairwise decays."""
+    x, k = np.asarray(x, np.float64), np.asarray(k, np.float64)
+    G = np.cumsum(np.maximum(np.asarray(g, np.float64), kda_chunk.G_FLOOR), axis=-2)
+    C = G.shape[-2]
+    decay = np.exp(np.minimum(G[..., :, None, :] - G[..., None, :, :], 0.0))
+    return np.einsum("...id,...jd,...ijd->...ij", x, k, decay) * np.tril(np.ones((C, C)))
+
+
+@pytest.mark.parametrize("C", [64, 16, 8, 2])
+@pytest.mark.parametrize("gate_scale", [0.3, 60.0])  # dense diagonal sub-tiles / the exact path
+def test_chunk_scores_match_pairwise_decays(C, gate_scale):
+    rng = np.random.default_rng(C)
+    x, k = (rng.standard_normal((2, 3, C, 8)).astype(np.float32) for _ in range(2))
+    g = -rng.uniform(0, gate_scale, (2, 3, C, 8)).astype(np.float32)
+    g[0, 0, : C // 2] = -1e4  # far beyond exp's range: floored, and the later pairs must stay exact
+    A = jax.jit(kda_chunk.chunk_scores)((x, k), k, g)
+    if C >= 4:  # which path the check covers
+        assert bool(kda_chunk.dense_ok(g[1:])) == (gate_scale < 1)
+    for a, xx in zip(A, (x, k)):
+        assert rel_err(a, numpy_scores(xx, k, g)) < 1e-6
+    if C >= kda_chunk.SUBTILE:  # on a bounded gate both paths apply and agree
+        g_b = -rng.uniform(0, 2.0, g.shape).astype(np.float32)
+        dense, exact = (jax.jit(kda_chunk._scores_static, static_argnums=3)((x,), k, g_b, d)[0] for d in (True, False))
+        assert rel_err(dense, exact) < 1e-6 and rel_err(exact, numpy_scores(x, k, g_b)) < 1e-6
+
+
+def test_chunk_scores_and_inverse_gradients_float64():
+    """Finite differences through both score paths (custom VJPs) and the unit-lower inverse."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        x, k = (jnp.asarray(rng.standard_normal((2, 32, 5)) * 0.5) for _ in range(2))
+        for gate_scale in (0.3, 30.0):
+            g = jnp.asarray(-rng.uniform(0, gate_scale, (2, 32, 5)))
+            check_grads(lambda x, k, g: kda_chunk.chunk_scores((x, k), k, g), (x, k, g), order=1, modes=["rev"],
+                        atol=1e-6, rtol=1e-6)
+        L = jnp.tril(jnp.asarray(rng.standard_normal((2, 32, 32)) * 0.3), -1)
+        X = kda_chunk.unit_lower_inverse(L)
+        np.testing.assert_allclose(X, np.linalg.inv(np.eye(32) + np.asarray(L)), atol=1e-10)
+        # the VJP only feeds the strictly lower part, which is all the function reads
+        check_grads(lambda L: kda_chunk.unit_lower_inverse(jnp.tril(L, -1)), (L,), order=1, modes=["rev"])
+
+
+@slow
+def test_long_sequence_8192():
+    """T = 8192, H = 4, K = V = 128: the old pairwise-decay form needed B*T*H*C*K*4 bytes = 1 GiB per decay
+    tensor and ~16 GiB through autodiff. The forward must match the token loop (recurrent_kda), and the
+    backward must run; its dv of the last token has the closed form ``beta (scale q.k) do`` (o_T is the
+    only output that v_T reaches)."""
+    B, T, H, K, V = 1, 8192, 4, 128, 128
+    q, k, v, g, beta, h = make_inputs(13, B, T, H, K, V, "sp", h0=True)
+    g[:, 4000:] = np.maximum(g[:, 4000:], -5.0)  # the second half on the dense path's gate range
+    o, S = _chunk(q, k, v, g, beta, initial_state=h, output_final_state=True)
+    o_r, S_r = _recurrent(q, k, v, g, beta, initial_state=h, output_final_state=True)
+    assert rel_err(o, o_r) < FP32_TOL and rel_err(S, S_r) < FP32_TOL
+    do = np.random.default_rng(14).standard_normal((B, T, H, V)).astype(np.float32)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(chunk_kda(*a, initial_state=h)[0] * do), argnums=(0, 1, 2, 3, 4)))(
+        q, k, v, g, beta)
+    assert all(bool(jnp.isfinite(x).all()) for x in grads)
+    qk = np.sum(q[:, -1] * k[:, -1], axis=-1) * K**-0.5  # [B, H]
+    np.testing.assert_allclose(grads[2][:, -1], (beta[:, -1] * qk)[..., None] * do[:, -1], rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- gates, validation
