@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from k3jax import create_model, generate, load_config
 from k3jax.cache import shift_slots, write_row
@@ -325,20 +326,21 @@ def test_write_row_and_shift_slots_keep_decoding_exact():
     """A prompt prefilled alone, written into row 1 of a batch at another write position, then the
     batch's slots moved back: decoding continues with the logits of one uninterrupted sequence."""
     model = small_model()
+    graphdef, state = nnx.split(model)
     tok = jax.random.randint(jax.random.key(0), (1, 9), 0, 256)
-    step = jax.jit(lambda t, c, v=None: model(t, cache=c, token_valid=v))
-    full, _ = model(tok)
+    step = jax.jit(lambda t, c, v: nnx.merge(graphdef, state)(t, cache=c, token_valid=v))
+    full, _ = jax.jit(lambda t: nnx.merge(graphdef, state)(t))(tok)
     one = model.init_cache(1, 12)
-    _, one = step(tok[:, :6], one)
+    _, one = step(tok[:, :6], one, jnp.ones((1, 6), bool))
     pool = model.init_cache(3, 20)
     for _ in range(10):  # the batch has advanced 10 slots; row 1 joins there
         _, pool = step(jnp.zeros((3, 1), jnp.int32), pool, jnp.zeros((3, 1), bool))
-    pool = write_row(pool, 1, one, pool.length - one.length)
+    pool = jax.jit(write_row)(pool, 1, one, pool.length - one.length)
     assert bool(pool.valid[1, 4:10].all()) and not bool(pool.valid[1, :4].any()) and int(pool.positions[1]) == 6
-    logits, pool = step(jnp.broadcast_to(tok[:, 6:7], (3, 1)), pool)
-    pool = shift_slots(pool, -4)  # row 1 now holds slots 0-6, the write position is 7
+    logits, pool = step(jnp.broadcast_to(tok[:, 6:7], (3, 1)), pool, jnp.ones((3, 1), bool))
+    pool = jax.jit(shift_slots)(pool, -4)  # row 1 now holds slots 0-6, the write position is 7
     assert int(pool.length) == 7 and bool(pool.valid[1, :7].all()) and not bool(pool.valid[1, 7:].any())
-    logits2, pool = step(jnp.broadcast_to(tok[:, 7:8], (3, 1)), pool)
+    logits2, pool = step(jnp.broadcast_to(tok[:, 7:8], (3, 1)), pool, jnp.ones((3, 1), bool))
     np.testing.assert_allclose(logits[1, 0], full[0, 6], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(logits2[1, 0], full[0, 7], rtol=1e-4, atol=1e-5)
 
@@ -373,6 +375,7 @@ def test_text_stream_stop_strings_and_partial_characters():
     assert ts.add(half[0]) == "" and ts.add("é".encode()[1]) == "é"
 
 
+@pytest.mark.slow
 def test_sharded_server_on_4_fake_devices():
     """The concurrency, bad-input and compile checks against a server whose model is split over 4
     fake CPU devices (``--mesh fsdp=4``; the device count must be set before JAX starts)."""

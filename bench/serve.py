@@ -1,0 +1,189 @@
+"""Load test of the OpenAI-compatible server on loopback, with HF transformers' ``generate`` as the
+peer in the same process; prints one JSON document.
+
+    python bench/serve.py            # `small` config: 64 requests at concurrency 1, 8 and 32
+    python bench/serve.py --quick    # smoke run: `tiny`, 8 requests, concurrency 1 and 4
+
+k3jax: one server (``k3jax.serving``: uvicorn in a thread of this process, ``--max-batch`` = the
+largest concurrency, XLA optimisations on) and an asyncio ``openai`` client that keeps
+``concurrency`` streamed greedy completions in flight until all requests are done. Per level:
+requests/s, output tokens/s, time to first token (submit -> first streamed token) and inter-token
+latency (gaps between a stream's tokens), p50 / p99.
+
+Peer: ``transformers.KimiLinearForCausalLM.generate`` (greedy, exactly ``--max-tokens`` new tokens)
+on a Kimi Linear config of the same size (``common.hf_kimi_linear_config``), random weights, over the
+same prompts in static batches of ``concurrency``, one batch at a time: what serving without
+continuous batching gets from the HF stack. Its "TTFT" is the time until its batch is done (HF
+returns whole batches). Both sides run on the same CPU cores; the client's Python shares them with
+the server. ``load_average`` says how busy the machine was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+# common first: it pins JAX to the CPU before jax is imported
+from common import cpu_info, hf_kimi_linear_config, log, randomize_torch
+
+# then out of the import path: bench/kernels.py would pass for the `kernels` package transformers probes for
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from k3jax.config import load_config  # noqa: E402
+from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
+from k3jax.model import create_model  # noqa: E402
+from k3jax.serving.api import create_app  # noqa: E402
+from k3jax.serving.engine import Engine  # noqa: E402
+from k3jax.serving.metrics import compile_count  # noqa: E402
+
+FIRST_PROMPT_ID = 3  # HF's KimiLinear config reserves 0-2 (pad, bos, eos)
+
+
+def percentiles(xs) -> dict:
+    xs = np.asarray(xs, float)
+    if not xs.size:
+        return {"p50": None, "p99": None}
+    return {"p50": round(float(np.percentile(xs, 50)), 5), "p99": round(float(np.percentile(xs, 99)), 5)}
+
+
+def start_server(engine: Engine, name: str):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, ByteTokenizer(), name), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def load(url: str, name: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """All prompts as streamed greedy completions, ``concurrency`` in flight."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    ttft, gaps, tokens = [], [], []
+
+    async def one(prompt):
+        async with gate:
+            t0 = time.perf_counter()
+            last, n = None, 0
+            stream = await client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                     stream=True, extra_body={"return_token_ids": True})
+            async for chunk in stream:
+                k = len(getattr(chunk.choices[0], "token_ids", None) or []) if chunk.choices else 0
+                if not k:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    gaps.append(now - last)
+                last, n = now, n + k
+            tokens.append(n)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {"requests": len(prompts), "wall_s": round(wall, 3), "requests_per_s": round(len(prompts) / wall, 3),
+            "output_tokens": int(sum(tokens)), "output_tokens_per_s": round(sum(tokens) / wall, 2),
+            "ttft_s": percentiles(ttft), "inter_token_latency_s": percentiles(gaps)}
+
+
+def hf_batches(model, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+    """The prompts through HF ``generate`` in static batches of ``batch``, one after another."""
+    ttft, tokens = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids = torch.as_tensor(prompts[i:i + batch], dtype=torch.long)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        ttft += [time.perf_counter() - t0] * ids.shape[0]  # whole batches come back at once
+    wall = time.perf_counter() - t0
+    return {"requests": len(prompts), "wall_s": round(wall, 3), "requests_per_s": round(len(prompts) / wall, 3),
+            "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2),
+            "ttft_s": percentiles(ttft)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny config, 8 requests, concurrency 1, 4")
+    ap.add_argument("--config", default=None, help="k3jax config (default: small; tiny with --quick)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 64; 8 quick)")
+    ap.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; 1,4 quick)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 quick)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 32; 8 quick)")
+    ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    q = args.quick
+    config = args.config or ("tiny" if q else "small")
+    n_requests = args.requests or (8 if q else 64)
+    levels = [int(c) for c in (args.concurrency or ("1,4" if q else "1,8,32")).split(",")]
+    prompt_len = args.prompt_len or (16 if q else 64)
+    max_tokens = args.max_tokens or (8 if q else 32)
+    if q:  # compile time dominates a smoke run
+        jax.config.update("jax_disable_most_optimizations", True)
+    import transformers
+    from transformers import KimiLinearForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(args.seed)
+    cfg = load_config(config).model
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(FIRST_PROMPT_ID, cfg.vocab_size, (n_requests, prompt_len)).tolist()
+
+    log(f"serve bench: k3jax {config!r} server (max_batch {max(levels)}) vs HF KimiLinearForCausalLM.generate")
+    engine = Engine(create_model(cfg, seed=args.seed), max_batch=max(levels), max_len=prompt_len + max_tokens,
+                    prefill_chunk=args.prefill_chunk, max_queue=n_requests)
+    t0 = time.perf_counter()
+    server, thread, url = start_server(engine, config)  # compiles every program (Engine.warmup)
+    startup_s = time.perf_counter() - t0
+    compiles = compile_count()
+    asyncio.run(load(url, config, prompts[:2], max_tokens, 2))  # warm the HTTP path
+    k3, hf = {}, {}
+    hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg)).eval()
+    randomize_torch(hf_model, args.seed)
+    hf_batches(hf_model, prompts[:1], 2, 1)  # warm-up
+    for c in levels:
+        log(f"  concurrency {c}: k3jax server")
+        k3[c] = asyncio.run(load(url, config, prompts, max_tokens, c))
+        log(f"  concurrency {c}: HF generate, batches of {c}")
+        hf[c] = hf_batches(hf_model, prompts, max_tokens, c)
+    recompiles = compile_count() - compiles
+    server.should_exit = True
+    thread.join(60)
+    report = {
+        "bench": "serve", "quick": q, "xla_optimizations": not q, **cpu_info(),
+        "settings": {"config": config, "requests": n_requests, "concurrency": levels, "prompt_len": prompt_len,
+                     "max_tokens": max_tokens, "max_batch": max(levels), "prefill_chunk": args.prefill_chunk,
+                     "dtype": "float32", "sampling": "greedy", "client": "openai.AsyncOpenAI, streamed"},
+        "server_startup_s": round(startup_s, 2), "compiles_during_load": recompiles,
+        "results": {f"concurrency_{c}": {"k3jax_server": k3[c], "hf_generate_static_batches": hf[c]} for c in levels},
+        "ratios_output_tokens_per_s": {f"concurrency_{c}": round(k3[c]["output_tokens_per_s"] /
+                                                                 hf[c]["output_tokens_per_s"], 3) for c in levels},
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
