@@ -154,6 +154,10 @@ def _train(cfg: Config, mesh, out: pathlib.Path, sample_tokens: int) -> dict:
     if main_process:
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
+    if mesh.size == 1:
+        # The batches are placed on the (one-device) mesh, and so are the step's outputs: the state
+        # starts there too, or the second step would compile the train step again for the new types.
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
     moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
@@ -162,6 +166,9 @@ def _train(cfg: Config, mesh, out: pathlib.Path, sample_tokens: int) -> dict:
     record, eval_loss, saved_step, step = {}, float("nan"), start, start
     bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
     t0, tokens_seen = time.perf_counter(), 0.0
+    # Trace the step from empty trace caches: what the eager set-up left in them changes how the
+    # step's jitted helpers are shared in its module, hence the persistent compilation cache key.
+    jax.clear_caches()
     with _StopRequest() as stop:
         while step < tc.steps and not _agreed(stop.requested):
             state, metrics = step_fn(state, shard_batch(next(train_iter), mesh))
