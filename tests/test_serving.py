@@ -399,3 +399,39 @@ print("OK")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_infer_cli_serves(tmp_path):
+    """``python infer.py --serve`` on an exported checkpoint answers the openai client."""
+    from k3jax.interop import to_hf
+
+    # the loader pairs a HF checkpoint with the default train settings (seq_len 128): the model's own length
+    to_hf(create_model(load_config("tiny", ["model.num_layers=5"]).model), tmp_path / "ckpt")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "infer.py"), "--serve", "--checkpoint", str(tmp_path / "ckpt"),
+                             "--tokenizer", "byte", "--port", str(port), "--max-batch", "2", "--max-len", "32",
+                             "--prefill-chunk", "8", "--model-name", "demo"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        c = client(url)
+        assert [m.id for m in c.models.list().data] == ["demo"]
+        r = c.completions.create(model="demo", prompt="And God said", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    finally:
+        proc.terminate()
+        proc.wait(60)
