@@ -135,8 +135,14 @@ def _leaf_scores(xs, k, g, leaf):
 
 
 def _block_diag(A, m):
-    """``[.., m, s, s]`` diagonal blocks -> ``[.., m, s, m, s]`` (zeros off the diagonal)."""
-    return A[..., :, :, None, :] * jnp.eye(m, dtype=A.dtype)[:, None, :, None]
+    """``[.., m, s, s]`` diagonal blocks -> ``[.., m, s, m, s]`` (zeros off the diagonal).
+
+    Built by padding (its transpose is slicing): as a product with ``eye(m)`` its autodiff reduces over
+    the small non-minor axis m, which XLA:CPU crashed on for some shapes.
+    """
+    widths = [(0, 0)] * (A.ndim - 3)
+    return jnp.stack([jnp.pad(A[..., a, :, None, :], widths + [(0, 0), (a, m - 1 - a), (0, 0)]) for a in range(m)],
+                     axis=-4)
 
 
 def _anchored(xs, k, Gs, P, dense):
@@ -188,9 +194,13 @@ def _anchored_core_bwd(dense, res, dA):
     d_lhs = jnp.split(d_lhs, len(xs), axis=-2)
     dxs = tuple(d * q_fac for d in d_lhs)
     d_expo = d_keys * kk  # [.., a, b, BC, K]
-    dk = jnp.sum(d_keys * k_fac, axis=-4)
-    dGs = sum(d * x for d, x in zip(d_lhs, xs)) * q_fac - jnp.sum(d_expo, axis=-4)
-    dP = jnp.sum(d_expo, axis=(-3, -2))[..., None, :] - jnp.sum(d_expo, axis=(-4, -2))[..., None, :]
+    # sums over the anchor axis a as adds of its NC slices (XLA:CPU's reduce over that small non-minor
+    # axis crashed on some shapes, e.g. [1, 2, 2, a=2, b=2, 16, 16])
+    over_a = lambda x: sum(x[..., a, :, :, :] for a in range(NC))  # [.., b, BC, K]
+    dk = over_a(d_keys * k_fac)
+    d_expo_b = over_a(d_expo)
+    dGs = sum(d * x for d, x in zip(d_lhs, xs)) * q_fac - d_expo_b
+    dP = jnp.sum(d_expo, axis=(-3, -2))[..., None, :] - jnp.sum(d_expo_b, axis=-2, keepdims=True)
     return dxs, dk, dGs, dGs, dP, dP
 
 

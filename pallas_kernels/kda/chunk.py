@@ -34,13 +34,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref_kda
+from k3jax.ops import kda_chunk
 from pallas_kernels._common import compiler_params, resolve
 from pallas_kernels.kda import _math
 
 F32 = jnp.float32
-BC = 16  # sub-tile (fla's BC): every causal tile is BC x BC
-G_FLOOR = ref_kda._G_FLOOR  # the reference floors g at -128 (exp underflows anyway)
-DENSE_MIN_GS = -80.0  # the dense diagonal tiles need every sub-tile sum of g >= -80 (e^80 < fp32 max)
+# the sub-tile, the gate floor and the dense-path bound are the XLA op's (k3jax/ops/kda_chunk.py)
+BC = kda_chunk.SUBTILE  # every causal tile is BC x BC
+G_FLOOR = kda_chunk.G_FLOOR  # g is floored at -128 (exp underflows anyway)
+DENSE_MIN_GS = kda_chunk.DENSE_MIN_SUM  # dense diagonal tiles need every sub-tile sum of g >= -80
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ def _same_segment(segment_ids, B, T, Tp, C):
     """[B, N, C, C] fp32 segment matrix per chunk (see ``_math.seg_vectors``): off the diagonal 1 where
     tokens i, j of the chunk are in the same segment, on the diagonal 1 where token i has no reset at or
     before it inside the chunk (it reads the incoming state)."""
-    resets = ref_kda._resets(segment_ids, B, T).astype(jnp.int32)
+    resets = ref_kda.segment_resets(segment_ids, B, T).astype(jnp.int32)
     resets = jnp.pad(resets, ((0, 0), (0, Tp - T)))
     n = jnp.cumsum(resets.reshape(B, Tp // C, C), axis=-1)
     same = n[..., :, None] == n[..., None, :]
@@ -357,7 +359,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Numerics: matmul operands in the input dtype (bf16 -> bf16 MXU / tensor-core operands) with fp32
     accumulation; state, gate algebra and the triangular inverse in fp32.
     """
-    B, T, H, K, V, dtype = ref_kda._check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K, V, dtype = ref_kda.check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if dtype != F32:
         return ref_kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, chunk_size=chunk_size,

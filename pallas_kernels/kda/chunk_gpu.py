@@ -264,7 +264,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def _segment_vectors(segment_ids, B, T, Tp, C):
     """[B, Tp, 3] fp32 per token: running reset count (equal counts = same segment), reads_state (no reset
     at or before the token inside its chunk) and in_last (same segment as the chunk's last token)."""
-    resets = jnp.pad(ref_kda._resets(segment_ids, B, T).astype(jnp.int32), ((0, 0), (0, Tp - T)))
+    resets = jnp.pad(ref_kda.segment_resets(segment_ids, B, T).astype(jnp.int32), ((0, 0), (0, Tp - T)))
     cnt = jnp.cumsum(resets, axis=1)
     c, r = cnt.reshape(B, Tp // C, C), resets.reshape(B, Tp // C, C)
     reads_state = c == (c[..., :1] - r[..., :1])  # count before the chunk's first token
