@@ -107,11 +107,14 @@ async def load(url: str, name: str, prompts: list[list[int]], max_tokens: int, c
             "ttft_s": percentiles(ttft), "inter_token_latency_s": percentiles(gaps)}
 
 
-def hf_batches(model, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
-    """The prompts through HF ``generate`` in static batches of ``batch``, one after another."""
+def hf_batches(model, prompts: list[list[int]], max_tokens: int, batch: int, max_batches: int | None = None) -> dict:
+    """The prompts through HF ``generate`` in static batches of ``batch``, one after another (the
+    first ``max_batches`` batches only, when given: every batch does the same work)."""
     ttft, tokens = [], 0
+    starts = list(range(0, len(prompts), batch))[:max_batches]
+    prompts = prompts[:starts[-1] + batch]
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
+    for i in starts:
         ids = torch.as_tensor(prompts[i:i + batch], dtype=torch.long)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
@@ -133,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 32; 8 quick)")
     ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--peer-batches", type=int, default=None, help="HF: time only the first N static batches of "
+                    "each level (default: all; its tokens/s is a per-batch rate either way)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
@@ -168,7 +173,7 @@ def main(argv=None):
         log(f"  concurrency {c}: k3jax server")
         k3[c] = asyncio.run(load(url, config, prompts, max_tokens, c))
         log(f"  concurrency {c}: HF generate, batches of {c}")
-        hf[c] = hf_batches(hf_model, prompts, max_tokens, c)
+        hf[c] = hf_batches(hf_model, prompts, max_tokens, c, args.peer_batches)
     recompiles = compile_count() - compiles
     server.should_exit = True
     thread.join(60)
@@ -176,6 +181,7 @@ def main(argv=None):
         "bench": "serve", "quick": q, "xla_optimizations": not q, **cpu_info(),
         "settings": {"config": config, "requests": n_requests, "concurrency": levels, "prompt_len": prompt_len,
                      "max_tokens": max_tokens, "max_batch": max(levels), "prefill_chunk": args.prefill_chunk,
+                     "peer_batches": args.peer_batches,
                      "dtype": "float32", "sampling": "greedy", "client": "openai.AsyncOpenAI, streamed"},
         "server_startup_s": round(startup_s, 2), "compiles_during_load": recompiles,
         "results": {f"concurrency_{c}": {"k3jax_server": k3[c], "hf_generate_static_batches": hf[c]} for c in levels},

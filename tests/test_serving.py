@@ -347,7 +347,6 @@ def test_write_row_and_shift_slots_keep_decoding_exact():
 
 def test_sample_rows_matches_sample_logits_row_by_row():
     logits = jax.random.normal(jax.random.key(1), (4, 50)) * 3
-    keys = jax.random.split(jax.random.key(2), 4)
     settings = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8), (1.3, 0.3)]
     temperature = jnp.asarray([t for t, _ in settings])
     top_p = jnp.asarray([p for _, p in settings])
@@ -357,7 +356,6 @@ def test_sample_rows_matches_sample_logits_row_by_row():
         for r, (t, p) in enumerate(settings):
             want = sample_logits(logits[r:r + 1], ks[r], temperature=t, top_p=None if p == 1.0 else p)
             assert got[r] == int(want[0]), (r, draw)
-    del keys
 
 
 def test_text_stream_stop_strings_and_partial_characters():
