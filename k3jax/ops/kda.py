@@ -173,24 +173,24 @@ def chunk_kda(
 
     Per chunk of C tokens, with G the chunk-local cumsum of g, Gamma = exp(G), S the incoming state:
 
-    1. ``A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` and ``A_qk`` likewise with q, for j <= i
-       and the same segment (``kda_chunk.chunk_scores``: anchored sub-blocks, batched matmuls);
+    1. ``A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` and ``A_qk`` likewise with q, for j <= i and the
+       same segment (``kda_chunk.chunk_scores``: anchored 16-token sub-tiles, batched matmuls);
        ``L = Diag(beta) A_kk`` below the diagonal;
     2. ``[U | W] = (I + L)^-1 Diag(beta) [V | Gamma k]`` (UT transform, ``kda_chunk.unit_lower_inverse``);
-    3. the chunk's affine map of the state, ``S' = M S + b`` with ``M = Diag(exp(G_last)) - k_out^T W``,
-       ``b = k_out^T U``, ``k_out = exp(G_last - G) k``;
-    4. ``o = (q Gamma - A_qk W) S + A_qk U`` (= ``q Gamma S + A_qk (U - W S)``).
+    3. ``delta = U - W S`` (what each token writes);
+    4. ``S <- Diag(exp(G_last)) S + (exp(G_last - G) k)^T delta``;
+    5. ``o = (q Gamma) S + A_qk delta``.
 
-    Everything but ``S <- M S + b`` is computed for all chunks at once; that one ``[K, K] x [K, V]``
-    matmul per chunk runs in a ``lax.scan``, which also hands back the state entering every chunk for
-    step 4. Every exponent is ``<= 0`` (masked ones are replaced before ``exp``, so gradients stay
-    finite), hence any ``g <= 0`` is safe (e.g. a softplus gate at -100; g is floored at
-    ``kda_chunk.G_FLOOR``), and each is accurate to ``eps * |exponent|`` however large G grows. With
-    segments, step 1 only links tokens of the same segment, ``Gamma k`` and ``q Gamma`` are zeroed from
-    the chunk's first reset on, and ``k_out`` keeps only the last segment (``M`` drops
-    ``Diag(exp(G_last))`` after a reset).
+    Steps 1, 2 and 5 are batched over all chunks; only 3 and 4 run in a ``lax.scan`` over chunks, which
+    hands back the state entering every chunk and delta for step 5. Every exponent is ``<= 0`` or
+    bounded (masked ones are replaced before ``exp``, so gradients stay finite), hence any ``g <= 0`` is
+    safe (e.g. a softplus gate at -100; g is floored at ``kda_chunk.G_FLOOR``), and each is accurate to
+    ``eps * |exponent|`` however large G grows. With segments, step 1 only links tokens of the same
+    segment, ``Gamma k`` and ``q Gamma`` are zeroed from the chunk's first reset on, and step 4 keeps
+    only the last segment (and drops ``Diag(exp(G_last)) S`` after a reset).
 
-    Memory: ``O(T * H * (K + V) * 16)`` at most (the anchored key factors; no ``C x C x K`` tensor).
+    Memory: no ``C x C x K`` tensor; the largest intermediates are the anchored key factors, ``C / 16``
+    times the size of k (docs/kernels.md, "The XLA op").
     """
     B, T, H, K, V, dtype = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
