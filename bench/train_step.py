@@ -21,6 +21,14 @@ says how busy the machine was):
 
 Tokens per step are equal for all: ``batch x seq_len`` input tokens (HF shifts its labels inside,
 so it scores ``seq_len - 1`` of them per row, k3jax ``seq_len``). Float32 everywhere; random tokens.
+
+``achieved`` is each step's useful work per second, ``model_flops_per_step`` / median step time, against
+a float32 matmul peak measured in the same process (``matmul_peak``: the best of several jitted
+square matmuls): ``6 * N_active * tokens`` (forward + backward through every active weight) plus the
+token mixing that is not a weight matmul, forward + backward (3x): causal softmax attention in the MLA
+layers (``T^2 / 2`` scores per head, each ``2 * (d_qk + d_v)`` FLOPs) and KDA's chunkwise recurrence
+(per token and head ``4 * K * V`` for the state read and update, ``C * (K + V)`` within the chunk).
+The optimizer's FLOPs (Muon's Newton-Schulz iterations) are not counted.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 from common import cpu_info, hf_kimi_linear_config, log, median, randomize_torch, timed, torch_param_counts
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -58,6 +67,42 @@ def synthetic_batch(rng: np.random.Generator, batch: int, seq_len: int, vocab: i
             "segment_ids": np.ones((batch, seq_len), np.int32),
             "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
             "loss_mask": np.ones((batch, seq_len), np.float32)}
+
+
+def mixing_flops_per_token(cfg, seq_len: int) -> float:
+    """Forward FLOPs per token of the attention / recurrence work outside the weight matmuls (see the
+    module docstring), summed over layers; ``cfg`` a k3jax ``ModelConfig``."""
+    total = 0.0
+    for i in range(cfg.num_layers):
+        if cfg.mixer(i) == "mla":
+            m = cfg.mla
+            total += m.num_heads * (seq_len / 2) * 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        else:
+            k = cfg.kda
+            total += k.num_heads * (4 * k.head_dim * k.head_dim + min(k.chunk_size, seq_len) * 2 * k.head_dim)
+    return total
+
+
+def model_flops_per_step(cfg, active_params: int, batch: int, seq_len: int) -> float:
+    """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs."""
+    tokens = batch * seq_len
+    return 6.0 * active_params * tokens + 3.0 * mixing_flops_per_token(cfg, seq_len) * tokens
+
+
+def matmul_peak(n: int = 1024, repeats: int = 10) -> dict:
+    """Float32 matmul throughput of this machine under XLA: the best of ``repeats`` timed ``n^3``
+    products (one jitted call runs 4 chained products, so dispatch is amortised)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)) / np.sqrt(n), jnp.float32)
+
+    @jax.jit
+    def chain(x):
+        for _ in range(4):
+            x = x @ a
+        return x
+
+    chain(a).block_until_ready()
+    best = min(timed(lambda: chain(a), lambda y: y.block_until_ready()) for _ in range(repeats))
+    return {"gflop_per_s": round(4 * 2 * n ** 3 / best / 1e9, 2), "n": n, "dtype": "float32"}
 
 
 class K3jaxStep:
@@ -131,6 +176,8 @@ def main(argv=None):
     hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg.model))
     randomize_torch(hf_model, args.seed)
 
+    log("matmul peak")
+    peak = matmul_peak()
     steps = {}
     log(f"train-step bench: k3jax {name!r} vs HF KimiLinearForCausalLM, {batch_size} x {seq_len} tokens/step")
     log(f"  k3jax_{name}")
@@ -160,6 +207,16 @@ def main(argv=None):
                for key, ts in times.items()}
     k3_params = count_params(cfg.model)
     hf_params = torch_param_counts(hf_model)
+    flops = {f"k3jax_{name}": model_flops_per_step(cfg.model, k3_params["active"], batch_size, seq_len),
+             "hf_kimi_linear": model_flops_per_step(cfg.model, hf_params["active"], batch_size, seq_len)}
+    if "k3jax_kimi_linear" in results:
+        flops["k3jax_kimi_linear"] = flops["hf_kimi_linear"]
+    peak["gflop_per_s_at_end"] = matmul_peak()["gflop_per_s"]  # load may change during the run
+    for key, res in results.items():
+        gflops = flops[key] / res["step_s"] / 1e9
+        res["model_flops_per_step"] = flops[key]
+        res["achieved_gflop_per_s"] = round(gflops, 2)
+        res["fraction_of_matmul_peak"] = round(gflops / max(peak["gflop_per_s"], peak["gflop_per_s_at_end"]), 3)
     report = {
         "bench": "train_step", "quick": q, "xla_optimizations": not q, **cpu_info(),
         "settings": {"config": name, "batch_size": batch_size, "seq_len": seq_len, "tokens_per_step": tokens,
@@ -172,6 +229,7 @@ def main(argv=None):
                                "parameters and FLOPs per token equal; the rest of the difference is K3-only "
                                "structure (latent MoE projections, MLA output gate, full-rank KDA output "
                                "gate, AttnRes)"},
+        "matmul_peak": peak,
         "results": results,
         "ratios": {},
     }
