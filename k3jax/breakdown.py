@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import re
 
@@ -406,9 +405,6 @@ def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: in
                 + f"{sum(b.hbm_bytes.values()) / 1e9:.1f} |")
     return "\n".join(rows)
 
-
-def dumps(b: Breakdown, **extra) -> str:
-    return json.dumps({**b.to_json(), **extra}, indent=1, default=float)
 
 
 # ---------------------------------------------------------------------------------------------
