@@ -138,6 +138,10 @@ def test_dotted_overrides():
     assert cfg.train.batch_size == base.train.batch_size
     # int given for a float field is accepted and converted
     assert isinstance(load_config("tiny", ["model.init_std=1"]).model.init_std, float)
+    # YAML 1.1 reads exponent floats without a dot as strings; they are numbers all the same
+    assert load_config("tiny", ["train.optim.adam_eps=1e-3"]).train.optim.adam_eps == 1e-3
+    with pytest.raises(ConfigError, match=r"^train\.optim\.adam_eps: expected a number"):
+        load_config("tiny", ["train.optim.adam_eps=small"])
 
 
 def test_parse_overrides_nests_and_parses_yaml():

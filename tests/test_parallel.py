@@ -91,7 +91,7 @@ TRAIN_STEP = SETUP + textwrap.dedent("""
 
     mesh_axes = ["mesh.data=2", "mesh.expert=2", "mesh.sequence=2"]
     cfg = load_config("tiny", OVERRIDES + mesh_axes + ["train.batch_size=8", "train.seq_len=64", "train.grad_accum=2",
-                                                       "train.optim.warmup_steps=0"])
+                                                       "train.optim.warmup_steps=0", "train.optim.adam_eps=1e-3"])
     model = create_model(cfg.model)
     with nnx.use_eager_sharding(False):
         ts = TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
@@ -110,9 +110,11 @@ TRAIN_STEP = SETUP + textwrap.dedent("""
     ref_params, got_params, old_params = (nnx.merge(graphdef, s).model for s in (ref_state, new_state, before))
     pick = lambda m: nnx.state(m, nnx.Param)
     # parameters after the update, relative to the size of the update itself (about the learning rate).
-    # AdamW's first step is g / (|g| + eps) per element, so elements with |g| near eps (embedding rows
-    # and lm_head columns of unseen tokens, zero-initialised AttnRes queries) turn float32 rounding of
-    # the gradient into ~1e-3 of the update; the loss and the gradient norm are compared tightly.
+    # AdamW's first step is g / (|g| + eps) per element: with the default eps (1e-8), elements whose
+    # |g| is near eps (embedding rows and lm_head columns of unseen tokens, zero-initialised AttnRes
+    # queries) would turn float32 rounding of the gradient into ~1e-2 of the update. A larger eps keeps
+    # the update a well-conditioned function of the gradient, so this compares the gradients the step
+    # uses; the loss and the gradient norm are compared tightly.
     update_err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b - c)) + 1e-30))
                      for a, b, c in zip(jax.tree.leaves(pick(got_params)), jax.tree.leaves(pick(ref_params)),
                                         jax.tree.leaves(pick(old_params))))
@@ -123,7 +125,7 @@ TRAIN_STEP = SETUP + textwrap.dedent("""
     # the histogram's bin width bounds the bias error (a margin on a bin edge may change bins)
     bin_width = 2.0 / cfg.model.moe.qb_bins
     assert bool(metrics["finite"]) and loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
-    assert update_err < 2e-3 and bias_err <= 2 * bin_width, (update_err, bias_err)
+    assert update_err < 5e-4 and bias_err <= 2 * bin_width, (update_err, bias_err)
     print("OK loss", loss_err, "grad_norm", norm_err, "update", update_err, "bias", bias_err)
 """)
 
