@@ -9,9 +9,9 @@ zero. This module parses the optimized HLO text of a compiled program (``compile
 counts each instruction itself:
 
 - **Matmul FLOPs**: ``dot`` = ``2 * |output| * |contracted dims|``; ``convolution`` (TPU writes
-  dots as convolutions, a batch dimension as a window whose ``lhs_dilate`` equals its size) =
-  ``2 * |output| * input features * real taps``, a window dimension of size ``s`` and dilation
-  ``d`` having ``ceil(s / d)`` real taps; a Pallas / Mosaic kernel (``tpu_custom_call``) = the
+  dots as convolutions: a batch dimension as a window whose ``lhs_dilate`` equals its size, an output
+  dimension as a window padded on both sides) = ``2 * input features * (output element, window tap)
+  pairs that read real input`` (not padding, not a dilation hole); a Pallas / Mosaic kernel (``tpu_custom_call``) = the
   ``pl.CostEstimate`` it declares; a ragged dot custom call = ``2 * rows * in * out``.
 - **HBM bytes**: operands + result of every instruction outside fusion bodies (a fusion reads its
   operands and writes its result once; what happens inside stays in registers / VMEM).
@@ -240,23 +240,53 @@ def phase_of(name: str, part: str) -> str:
     return "backward" if "transpose(" in name else "forward"
 
 
+def _real_pairs(n: int, out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs of one window dimension that read a real input element, not
+    padding nor a hole of ``lhs_dilate``: tap w of output o reads ``x = o * stride + w * rhs_dilate - pad_lo``
+    of the dilated input ``[0, (n - 1) * lhs_dilate]``, real when ``x % lhs_dilate == 0``."""
+    import numpy as np  # noqa: PLC0415 - only convolutions need it
+
+    o = np.arange(out, dtype=np.int64)[:, None]
+    total = 0
+    for w0 in range(0, size, 4096):  # bounded memory for long windows
+        w = np.arange(w0, min(size, w0 + 4096), dtype=np.int64)[None, :]
+        x = o * stride + w * rhs_dilate - pad_lo
+        total += int(np.count_nonzero((x >= 0) & (x <= (n - 1) * lhs_dilate) & (x % lhs_dilate == 0)))
+    return total
+
+
 def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """``2 * in_features * (output elements x window taps that read real input)``. TPU writes a dot's
+    output dimension as a padded window (a head axis of size h: window h, padding h - 1 on each side,
+    one real tap per output) and a batch dimension as a window with ``lhs_dilate`` equal to its size;
+    counting every tap of the window would multiply those dots by h."""
     labels = re.search(r"dim_labels=([^\s,]+)", ins.attrs)
     if not labels or len(ins.operands) < 2:
         return 0.0
-    _, rhs_labels = labels.group(1).split("->")[0].split("_")
-    rhs = _dims(shapes.get(ins.operands[1], ""))
-    if not rhs:
+    (lhs_labels, rhs_labels), out_labels = labels.group(1).split("->")[0].split("_"), labels.group(1).split("->")[1]
+    lhs, rhs, out = (_dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], "")),
+                     _dims(ins.shape))
+    if not rhs or not lhs or not out:
         return 0.0
     in_features = rhs[rhs_labels.index("i")]
-    taps = 1
+    spatial = sorted((c for c in lhs_labels if c.isdigit()), key=int)  # window dims go by spatial index
     window = re.search(r"window=\{([^}]*)\}", ins.attrs)
-    if window:
-        fields = dict(kv.split("=", 1) for kv in window.group(1).split() if "=" in kv)
-        sizes = [int(s) for s in fields.get("size", "").split("x") if s]
-        dilate = [int(s) for s in fields.get("lhs_dilate", "").split("x") if s] or [1] * len(sizes)
-        taps = math.prod(-(-s // d) for s, d in zip(sizes, dilate))
-    return 2.0 * math.prod(_dims(ins.shape)) * in_features * taps
+    fields = dict(kv.split("=", 1) for kv in window.group(1).split() if "=" in kv) if window else {}
+    n = len(spatial)
+
+    def ints(key: str, default: int) -> list[int]:
+        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * n
+
+    sizes, strides = ints("size", 1), ints("stride", 1)
+    lhs_dil, rhs_dil = ints("lhs_dilate", 1), ints("rhs_dilate", 1)
+    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * n
+    other = math.prod(out)  # output elements over the window dimensions' positions, times real pairs
+    pairs = 1
+    for d, c in enumerate(spatial):
+        out_n = out[out_labels.index(c)]
+        other //= out_n
+        pairs *= _real_pairs(lhs[lhs_labels.index(c)], out_n, sizes[d], strides[d], pads[d], lhs_dil[d], rhs_dil[d])
+    return 2.0 * other * pairs * in_features
 
 
 def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:

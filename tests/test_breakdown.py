@@ -82,6 +82,27 @@ ENTRY %main (p0: bf16[8,64,32], p1: bf16[8,32,16]) -> bf16[8,64,16] {
     assert b.collective_by_part["kda"] == b.collective_bytes["all-gather"]
 
 
+def test_tpu_convolution_with_an_output_dimension_as_a_padded_window():
+    """A projection ``btd,dhk->bthk`` as XLA:TPU writes it (the head axis a window of 4 padded by 3 on
+    both sides: one real tap per output) and its weight gradient (the batch contracted through a window
+    of 2, the heads again a padded window): counted as the dots they are, not 4x."""
+    B, T, D, H, K = 2, 256, 256, 4, 64
+    hlo = f"""HloModule m
+
+ENTRY %main (x: f32[{B},{T},{D},1], w: bf16[{D},{H},{K},1], dy: bf16[{B},{T},{H},{K}]) -> f32[{D},{H},{K},1] {{
+  %x = f32[{B},{T},{D},1]{{3,2,1,0}} parameter(0)
+  %w = bf16[{D},{H},{K},1]{{3,2,1,0}} parameter(1)
+  %dy = bf16[{B},{T},{H},{K}]{{3,2,1,0}} parameter(2)
+  %convolution.1 = f32[{B},{T},{H},{K}]{{3,2,1,0}} convolution(%x, %w), window={{size=1x{H} pad=0_0x{H - 1}_{H - 1} rhs_reversal=0x1}}, dim_labels=0bf1_i1o0->0b1f, metadata={{op_name="jit(f)/kda/btd,dhk->bthk/dot_general"}}
+  %y = bf16[{D},{T},{B},1]{{3,2,1,0}} parameter(3)
+  ROOT %convolution.2 = f32[{D},{H},{K},1]{{3,2,1,0}} convolution(%y, %dy), window={{size={H}x{B} pad={H - 1}_{H - 1}x0_0 rhs_reversal=1x0}}, dim_labels=bf10_1i0o->b0f1, metadata={{op_name="jit(f)/transpose(jvp(kda))/btd,dhk->bthk/dot_general"}}
+}}
+"""
+    b = bd.breakdown(hlo)
+    assert b.flops[("kda", "forward")] == 2 * B * T * D * H * K
+    assert b.flops[("kda", "backward")] == 2 * B * T * D * H * K
+
+
 @pytest.mark.slow
 def test_tiny_train_step_matches_analytic_count():
     """Every matmul of the tiny model's train step (scanned layer groups, remat) is attributed, and the
