@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from k3jax import checkpoint, compile_cache, distributed
-from k3jax.config import Config, load_config
+from k3jax.config import Config, ConfigError, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
 from k3jax.serving.server import add_arguments as add_serve_arguments
@@ -88,6 +88,22 @@ class _Printer:
             self.printed = text
 
 
+def _check_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """Reject generation settings that have no meaning (exit 2, argparse's usage error)."""
+    if args.prompt is None and not args.serve:
+        ap.error("the following arguments are required: --prompt (or --serve)")
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:  # also NaN
+        ap.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 1:
+        ap.error(f"--top-k must be at least 1, got {args.top_k}")
+    if args.step is not None and args.step < 0:
+        ap.error(f"--step must be >= 0, got {args.step}")
+
+
 def main(argv: list[str] | None = None) -> None:
     compile_cache.enable()  # $K3JAX_COMPILE_CACHE or ~/.cache/k3jax/jax ("off" disables)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -110,19 +126,25 @@ def main(argv: list[str] | None = None) -> None:
                     help="multi-host start-up (jax.distributed.initialize; k3jax/distributed.py)")
     add_serve_arguments(ap)
     args = ap.parse_args(argv)
-    if args.prompt is None and not args.serve:
-        ap.error("the following arguments are required: --prompt (or --serve)")
+    _check_arguments(ap, args)  # before anything is loaded, compiled or printed
+    try:
+        mesh_cfg = parse_mesh(args.mesh)
+    except ValueError as e:
+        ap.exit(2, f"error: --mesh: {e}\n")
+    try:
+        expected = load_config(args.config) if args.config else None
+    except ConfigError as e:  # the message names the field: no traceback
+        ap.exit(2, f"error: {e}\n")
 
     distributed.initialize(args.distributed)
     try:
-        mesh = make_mesh(parse_mesh(args.mesh))
+        mesh = make_mesh(mesh_cfg)
     except ValueError as e:
-        raise SystemExit(f"error: --mesh: {e}") from None
+        ap.exit(2, f"error: --mesh: {e}\n")
     placement = mesh if mesh.size > 1 else None
     if jax.default_backend() == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
-    expected = load_config(args.config) if args.config else None
     hf = _is_hf_dir(ckpt)
     try:
         model, cfg = (_load_hf(ckpt, placement) if hf else

@@ -5,6 +5,7 @@ on the bundled King James Bible slice with a byte-level tokenizer, checkpointed 
 ``runs/default``, then sampled. Re-running resumes from the latest checkpoint of the same run
 directory (``run_dir=...``, an alias of ``train.out_dir=...``; pass ``--fresh`` to start over).
 Ctrl-C finishes the current step, saves a checkpoint and exits; the same command resumes.
+The training loop itself is ``k3jax.trainer.train``; this file is its command line.
 
 The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
 and, at the end, ``loss.png`` (``k3jax/run_log.py``).
@@ -13,214 +14,19 @@ and, at the end, ``loss.png`` (``k3jax/run_log.py``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import pathlib
-import shutil
-import signal
 import sys
-import threading
-import time
 
 import jax
-import numpy as np
-import yaml
-from flax import nnx
-from tqdm import tqdm
 
 from k3jax import checkpoint, compile_cache, distributed
-from k3jax.config import Config, load_config, to_dict
-from k3jax.data.images import make_dataset
-from k3jax.data.tokenizers import load_tokenizer
-from k3jax.generate import generate
-from k3jax.model import plan_layers
-from k3jax.optim import learning_rate_schedule
-from k3jax.run_log import RunLog, plot_losses
-from k3jax.sharding import make_mesh, shard_batch, use_mesh
-from k3jax.training import expert_imbalance_layers, init_train_state, make_eval_step, make_train_step
+from k3jax.config import ConfigError, load_config
+from k3jax.run_lock import RunLockedError
+from k3jax.sharding import make_mesh
+from k3jax.trainer import ScheduleChangeError, train
 
-DEMO_PROMPT = "In the beginning"
-# The closing sample is drawn (greedy decoding of a small model loops on its most likely phrase).
-SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95
-EVAL_BATCHES = 4
+EXIT_FAILED = 1  # the run could not start or resume (locked directory, checkpoint, schedule)
+EXIT_USAGE = 2  # bad arguments or config (argparse's code)
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
-
-
-class _StopRequest(contextlib.AbstractContextManager):
-    """Turns the first Ctrl-C into a request honoured between steps (so the state is never caught
-    half-donated); a second Ctrl-C interrupts at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
-def _agreed(flag: bool) -> bool:
-    """``flag`` of any process, seen by all (a Ctrl-C reaches one host; every host must stop at the
-    same step, or the others would wait forever in the next step's collectives)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-
-
-def _print_main(text: str) -> None:
-    if distributed.is_main_process():
-        print(text, flush=True)
-
-
-def _evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
-    nll = count = 0.0
-    # The held-out split is small (it may have fewer documents than there are processes), so every
-    # process reads the same global batches and contributes its own slice of rows.
-    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval"))
-    n_proc, rank = jax.process_count(), jax.process_index()
-    for _ in range(EVAL_BATCHES):
-        batch = next(eval_iter, None)
-        if batch is None:
-            break
-        local = {k: np.split(np.asarray(v), n_proc)[rank] for k, v in batch.items()}
-        n, c = eval_step(state, shard_batch(local, mesh))
-        nll, count = nll + float(n), count + float(c)
-    return nll / max(count, 1.0)
-
-
-def _init_weights(model, source: str, mesh=None) -> None:
-    """Copy the model weights (and router-bias state) of another run's latest checkpoint into
-    ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
-    src = pathlib.Path(source)
-    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src,
-                                         mesh=mesh if mesh is not None and mesh.size > 1 else None)
-    want, got = nnx.state(model), nnx.state(loaded)
-    layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
-    if layout(want) != layout(got):
-        raise checkpoint.CheckpointError(f"train.init_from={source}: its model has another architecture")
-    nnx.update(model, got)
-
-
-def train(cfg: Config, *, fresh: bool = False, sample_tokens: int = 200) -> dict:
-    """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
-    the last logged ``loss``, ``eval_loss``, ``sample`` and ``interrupted`` (True when stopped by
-    Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards."""
-    tc = cfg.train
-    out = pathlib.Path(tc.out_dir)
-    main_process = distributed.is_main_process()
-    if fresh and out.exists() and main_process:
-        shutil.rmtree(out)
-    if jax.process_count() > 1:  # nobody reads the run directory before process 0 has cleared it
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("k3jax.train: run directory ready")
-    out.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(cfg.mesh)
-    with use_mesh(mesh):
-        return _train(cfg, mesh, out, sample_tokens)
-
-
-def _train(cfg: Config, mesh, out: pathlib.Path, sample_tokens: int) -> dict:
-    tc = cfg.train
-    main_process = distributed.is_main_process()
-
-    tokenizer = load_tokenizer(tc.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {tc.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
-                         f"model.vocab_size={cfg.model.vocab_size}")
-    train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
-                                   process_count=jax.process_count()))
-    ts = init_train_state(cfg, mesh)
-    mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
-                              item_names=checkpoint.TRAIN_ITEMS)
-    start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter) or 0
-    if start:
-        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}")
-    elif tc.init_from:
-        _init_weights(ts.model, tc.init_from, mesh)
-        tqdm.write(f"initialised the model from {tc.init_from}")
-    if main_process:
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    graphdef, state = nnx.split(ts)
-    if mesh.size == 1:
-        # The batches are placed on the (one-device) mesh, and so are the step's outputs: the state
-        # starts there too, or the second step would compile the train step again for the new types.
-        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    schedule = learning_rate_schedule(tc.optim, tc.steps)
-    step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
-    moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
-
-    log = RunLog(out, enabled=main_process)
-    record, eval_loss, saved_step, step = {}, float("nan"), start, start
-    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
-    t0, tokens_seen = time.perf_counter(), 0.0
-    # Trace the step from empty trace caches: what the eager set-up left in them changes how the
-    # step's jitted helpers are shared in its module, hence the persistent compilation cache key.
-    jax.clear_caches()
-    with _StopRequest() as stop:
-        while step < tc.steps and not _agreed(stop.requested):
-            state, metrics = step_fn(state, shard_batch(next(train_iter), mesh))
-            step += 1
-            bar.update(1)
-            tokens_seen += float(metrics["tokens"])
-            if not bool(metrics["finite"]):
-                tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
-            if step % tc.log_every == 0 or step == tc.steps:
-                dt = time.perf_counter() - t0
-                imbalance = np.asarray(metrics["expert_imbalance"])
-                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
-                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
-                          "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
-                log.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{record['tokens_per_s']:.0f}",
-                                imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
-                t0, tokens_seen = time.perf_counter(), 0.0
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                log.write({"step": step, "eval_loss": _evaluate(eval_fn, state, cfg, tokenizer, mesh)})
-            if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
-                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter)
-                saved_step = step
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
-    if step < tc.steps:
-        log.close()
-        _print_main(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
-                    f"Run the same command to resume.")
-        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
-
-    eval_loss = _evaluate(eval_fn, state, cfg, tokenizer, mesh)
-    log.write({"step": tc.steps, "eval_loss": eval_loss})
-    log.close()
-    plot = plot_losses(out) if main_process else None
-    _print_main(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
-                f"metrics in {out / 'metrics.jsonl'}, plot {plot}")
-
-    sample = ""
-    if sample_tokens:
-        model = nnx.merge(graphdef, state).model
-        prompt = np.asarray([tokenizer.encode(DEMO_PROMPT)], np.int32)
-        stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
-        out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
-                              temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, stop_tokens=stops,
-                              seed=cfg.train.seed)
-        sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
-        _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{sample}\n")
-    return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
-            "interrupted": False}
 
 
 def _expand_aliases(overrides: list[str]) -> list[str]:
@@ -231,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny", help="config name (configs/<name>.yaml) or YAML path")
     ap.add_argument("--fresh", action="store_true", help="delete the run directory first instead of resuming")
+    ap.add_argument("--reschedule", action="store_true",
+                    help="on resume, accept the learning-rate jump of a changed train.steps (the schedule is "
+                    "recomputed over the new length; without this flag such a resume is refused)")
     ap.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample after training (0: none)")
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
                     help="multi-host start-up (jax.distributed.initialize): auto = when the environment "
@@ -241,17 +50,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*",
                     help="dotted key=value config overrides, e.g. train.steps=50 run_dir=runs/exp1")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, _expand_aliases(args.overrides))
+    try:
+        cfg = load_config(args.config, _expand_aliases(args.overrides))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     compile_cache.enable(args.compile_cache)
     distributed.initialize(args.distributed)
-    axes = {k: v for k, v in make_mesh(cfg.mesh).shape.items() if v > 1}
-    _print_main(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
-                f"{f' (mesh {axes})' if axes else ''}, {jax.process_count()} process(es); run_dir={cfg.train.out_dir}")
     try:
-        result = train(cfg, fresh=args.fresh, sample_tokens=args.sample_tokens)
-    except checkpoint.CheckpointError as e:
+        axes = {k: v for k, v in make_mesh(cfg.mesh).shape.items() if v > 1}
+    except ValueError as e:  # a mesh that does not fit the devices
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    if distributed.is_main_process():
+        print(f"k3jax: training {cfg.name!r} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+              f"{f' (mesh {axes})' if axes else ''}, {jax.process_count()} process(es); run_dir={cfg.train.out_dir}",
+              flush=True)
+    try:
+        result = train(cfg, fresh=args.fresh, reschedule=args.reschedule, sample_tokens=args.sample_tokens)
+    except (checkpoint.CheckpointError, RunLockedError, ScheduleChangeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_INTERRUPTED if result["interrupted"] else 0
 
 

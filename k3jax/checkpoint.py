@@ -18,6 +18,7 @@ one mesh resumes, or is served, on another (``mesh`` is free to change on resume
 from __future__ import annotations
 
 import pathlib
+import re
 
 import jax
 import orbax.checkpoint as ocp
@@ -66,7 +67,7 @@ def restore_config(directory: str | pathlib.Path, *, step: int | None = None) ->
             raw = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read the config of checkpoint {directory}/{step} "
-                                  f"({type(e).__name__}: {e})") from e
+                                  f"({_summary(e)})") from e
     return from_dict(raw["config"]), step
 
 
@@ -92,7 +93,7 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
             raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
             raise CheckpointError(f"checkpoint {directory}/{step} is corrupt or incomplete "
-                                  f"({type(e).__name__}: {e})") from e
+                                  f"({_summary(e)})") from e
     return nnx.merge(graphdef, raw["model"]), saved
 
 
@@ -125,7 +126,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
     try:
         saved = from_dict(mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
-        raise CheckpointError(f"cannot read the config of checkpoint {where}: {type(e).__name__}: {e}. {hint}") from e
+        raise CheckpointError(f"cannot read the config of checkpoint {where} ({_summary(e)}). {hint}") from e
     mismatch = _config_mismatch(config, saved)
     if mismatch:
         raise CheckpointError(f"checkpoint {where} was written by a different run: {mismatch}. Resume with the "
@@ -136,7 +137,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
             optimizer=ocp.args.StandardRestore(nnx.state(train_state.optimizer)),
             data=grain.checkpoint.CheckpointRestore(data_iter)))
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {where} is corrupt or incomplete ({type(e).__name__}: {e}). {hint}") from e
+        raise CheckpointError(f"checkpoint {where} is corrupt or incomplete ({_summary(e)}). {hint}") from e
     nnx.update(train_state.model, restored["model"])
     nnx.update(train_state.optimizer, restored["optimizer"])
     return step
@@ -150,6 +151,17 @@ def _config_mismatch(current: Config, saved: Config) -> str:
         for f in RESUMABLE_TRAIN_FIELDS:
             d.get("train", {}).pop(f, None)
     return _diff(a, b, prefix="")
+
+
+def _summary(error: Exception, limit: int = 240) -> str:
+    """The first line of a read error, without the TensorStore specs it appends (kilobytes of JSON per
+    array), its middle elided (TensorStore chains "opening X: reading Y: ..." and ends with the precise
+    cause): enough to say what failed; the whole error stays the ``__cause__``."""
+    text = (str(error).splitlines() or [""])[0]
+    text = re.sub(r"\s*\[tensorstore_spec.*$", "", text)
+    if len(text) > limit:
+        text = f"{text[:limit // 3]} ... {text[-(limit - limit // 3):]}"
+    return f"{type(error).__name__}: {text}"
 
 
 def _resolve_step(mngr: ocp.CheckpointManager, directory, step: int | None) -> int:

@@ -34,7 +34,12 @@ def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature:
     row per prompt) or their projected features ``[B, M, d]``, spliced in at the prompts'
     ``<|media_pad|>`` tokens during the prefill.
     """
-    prompt = jnp.asarray(prompt_tokens, jnp.int32)
+    prompt = jnp.asarray(prompt_tokens)
+    if not jnp.issubdtype(prompt.dtype, jnp.integer):  # a cast would truncate 3.7 to token 3 silently
+        raise ValueError(f"prompt_tokens must be integer token ids, got dtype {prompt.dtype}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    prompt = prompt.astype(jnp.int32)
     if prompt.ndim != 2:
         raise ValueError(f"prompt_tokens must be [B, T], got shape {prompt.shape}")
     b, t = prompt.shape

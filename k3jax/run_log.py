@@ -2,8 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``expert_imbalance`` = ``{layer: max/mean expert load}``, ...) and one per
-evaluation (``step``, ``eval_loss``). A resumed run appends; if the run had logged steps past its
-last checkpoint, those steps appear twice and the later record wins (:func:`read_metrics`).
+evaluation (``step``, ``eval_loss``). A resumed run appends after dropping the records of steps past
+the one it resumed from (logged after the last checkpoint of a killed run, or by a continuation that
+was rolled back by deleting its checkpoints); TensorBoard hides its events of those steps.
 """
 
 from __future__ import annotations
@@ -20,15 +21,23 @@ LOSS_PLOT = "loss.png"
 class RunLog:
     """Appends records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True):
-        """``enabled=False``: write nothing (every process but the first of a multi-host run)."""
+    def __init__(self, run_dir: str | pathlib.Path, *, step: int, tensorboard: bool = True,
+                 enabled: bool = True):
+        """``step``: the step the run starts from; records of later steps are dropped (their number is
+        ``rolled_back``) and ``loss.png``, if there is one, is redrawn from what remains.
+        ``enabled=False``: write nothing (every process but the first of a multi-host run)."""
         self.run_dir = pathlib.Path(run_dir)
+        self.rolled_back = _drop_records_after(self.run_dir, step) if enabled else 0
+        if self.rolled_back and (self.run_dir / LOSS_PLOT).exists():
+            plot_losses(self.run_dir)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a") if enabled else None
         self._tb = None
         if tensorboard and enabled:
             from tensorboardX import SummaryWriter  # local: a heavy import only the trainer needs
 
-            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))
+            # purge_step: TensorBoard hides the events of steps >= it written before this writer
+            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR),
+                                     purge_step=step + 1 if self.rolled_back else None)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -46,6 +55,20 @@ class RunLog:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_records_after(run_dir: pathlib.Path, step: int) -> int:
+    """Rewrite ``metrics.jsonl`` without the records of steps after ``step``; returns how many."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)  # atomic: a crash leaves the old or the new file, never half of one
+    return len(lines) - len(kept)
 
 
 def _scalars(record: dict[str, Any], prefix: str = ""):

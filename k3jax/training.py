@@ -49,13 +49,15 @@ def abstract_train_state(cfg: Config, model: K3Model | None = None):
 
 
 def init_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> TrainState:
-    """A freshly initialised ``TrainState`` (weights from ``train.seed``).
+    """A freshly initialised ``TrainState`` (weights from ``train.seed``), built by one jitted init
+    whose outputs land straight in their rule-derived shardings on ``mesh`` (on the first device
+    without one), so no device ever holds more than its shards (full K3 on a pod).
 
-    On one device the weights are drawn on the host (fast: no init program to compile). On a larger
-    mesh the whole state is built under one jit whose outputs land straight in their rule-derived
-    shardings, so no device ever holds more than its shards (full K3 on a pod); the weights then
-    come from ``jax.random`` and differ from the single-device ones (same distribution). Either way a
-    resumed run restores its checkpoint, whatever mesh it resumes on.
+    The weights are the same on every mesh: ``jax.random`` under jit draws them, and with
+    partitionable threefry (``jax_threefry_partitionable``, on by default since JAX 0.5) a sharded
+    draw gives the values of the unsharded one. A 1-device debugging run and its 8-device scale-out
+    start from one model. (``create_model`` outside a jit draws on the host with NumPy: other numbers.)
+    The init program compiles once per config; the persistent compilation cache keeps it.
     """
 
     def build():
@@ -63,10 +65,13 @@ def init_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Trai
         with nnx.use_eager_sharding(False):
             return TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
 
-    if mesh is None or mesh.size == 1:
-        return build()
     graphdef, abstract = abstract_train_state(cfg)
-    init = jax.jit(lambda: nnx.state(build()), out_shardings=state_shardings(abstract, mesh))
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, abstract)
+    else:
+        shardings = state_shardings(abstract, mesh)
+    init = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)
     return nnx.merge(graphdef, init())
 
 

@@ -261,16 +261,16 @@ def test_qat_fine_tuning_closes_the_quantization_gap():
 
 def test_qat_fine_tuning_starts_from_another_run(tmp_path):
     """``train.init_from``: a QAT run takes its initial weights from an unquantized run's checkpoint."""
-    import train
     from k3jax import checkpoint
+    from k3jax.trainer import init_weights_from
 
     dense = config()
     source = create_model(dense.model, seed=7)
     checkpoint.save_model(tmp_path / "base" / "checkpoints", source, dense)
     qat = create_model(config("quant.experts=mxfp4_qat").model, seed=8)
-    train._init_weights(qat, str(tmp_path / "base"))
+    init_weights_from(qat, str(tmp_path / "base"))
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(qat)), nnx.to_flat_state(nnx.state(source))):
         np.testing.assert_array_equal(np.asarray(a.get_raw_value()), np.asarray(b.get_raw_value()), err_msg=str(p))
     other = create_model(config("model.num_layers=2").model, seed=0)
     with pytest.raises(checkpoint.CheckpointError, match="another architecture"):
-        train._init_weights(other, str(tmp_path / "base"))
+        init_weights_from(other, str(tmp_path / "base"))

@@ -1,5 +1,7 @@
 """train.py end to end: a run stopped by Ctrl-C and resumed reproduces the per-step losses of an
-uninterrupted run bit for bit; corrupt, partial and mismatched checkpoints fail clearly and are kept."""
+uninterrupted run bit for bit; corrupt, partial and mismatched checkpoints fail clearly and are kept;
+a rolled-back run drops the metrics of its abandoned steps; a changed ``train.steps`` that would make
+the learning rate jump is refused on resume unless ``--reschedule``."""
 
 import json
 import os
@@ -154,10 +156,14 @@ def test_corrupt_checkpoint_fails_clearly_and_is_kept(saved_run, tmp_path):
     for f in (copy / "3" / "model").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data files
             f.write_bytes(b"not a tensorstore chunk")
-    with pytest.raises(checkpoint.CheckpointError, match=r"corrupt or incomplete.*Nothing was deleted"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"corrupt or incomplete.*Nothing was deleted") as error:
         _restore(cfg, copy)
-    with pytest.raises(checkpoint.CheckpointError, match="corrupt or incomplete"):  # infer.py's path
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or incomplete") as served:  # infer.py's path
         checkpoint.restore_model(copy)
+    for e in (error.value, served.value):  # one readable line; TensorStore's specs stay in the cause
+        assert len(str(e)) < 600 and "tensorstore_spec" not in str(e) and "\n" not in str(e), str(e)
+        assert "is not valid for value of size" in str(e)  # the precise cause, at the end of its chain
+        assert "tensorstore_spec" in str(e.__cause__)
     assert (copy / "3" / "model").is_dir()
     assert checkpoint.manager(copy).all_steps() == [3]
 
@@ -188,3 +194,65 @@ def test_train_cli_reports_a_mismatch_without_touching_checkpoints(saved_run, ca
     assert code == 1
     assert "model.hidden_size" in capsys.readouterr().err
     assert sorted(p.name for p in directory.iterdir()) == before
+
+
+def test_train_cli_refuses_a_schedule_jump_on_resume(saved_run, capsys):
+    """The saved run's cosine schedule spans 300 steps; resuming it at step 3 with train.steps=4 would
+    move the learning rate of the next update."""
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    cfg, directory, _ = saved_run
+    before = sorted(p.name for p in directory.iterdir())
+    code = train.main(["--sample-tokens", "0", *SMALL, "train.steps=4", f"run_dir={directory.parent}"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "train.steps 300 -> 4" in err and "--reschedule" in err, err
+    assert sorted(p.name for p in directory.iterdir()) == before
+
+
+@pytest.mark.parametrize("optim,old,new,step,allowed", [
+    ([], 300, 600, 3, False),                                  # cosine over the run: the LR jumps
+    ([], 300, 600, 1, True),                                   # still in warmup: same LR
+    (["train.optim.decay_steps=100"], 300, 600, 50, True),     # cosine of fixed length
+    (["train.optim.schedule=constant"], 300, 30, 10, True),
+    (["train.optim.schedule=wsd"], 300, 600, 100, True),       # stable phase: extending moves the decay
+    (["train.optim.schedule=wsd"], 300, 600, 280, False),      # inside the decay
+])
+def test_check_schedule(optim, old, new, step, allowed):
+    from k3jax.trainer import ScheduleChangeError, check_schedule
+
+    saved, cfg = (load_config("tiny", SMALL + optim + [f"train.steps={n}"]) for n in (old, new))
+    if allowed:
+        assert "unchanged" in check_schedule(saved, cfg, step, reschedule=False)
+    else:
+        with pytest.raises(ScheduleChangeError, match=f"train.steps {old} -> {new}.*at step {step}"):
+            check_schedule(saved, cfg, step, reschedule=False)
+        assert "--reschedule" in check_schedule(saved, cfg, step, reschedule=True)
+    assert check_schedule(saved, saved, step, reschedule=False) is None
+
+
+def test_resuming_drops_the_metrics_of_rolled_back_steps(tmp_path):
+    """After the newest checkpoint is deleted the run resumes from an older step: the records logged
+    after it are dropped and the loss plot is redrawn from what remains."""
+    from k3jax.run_log import LOSS_PLOT, RunLog, plot_losses
+
+    log = RunLog(tmp_path, step=0, tensorboard=False)
+    for step in range(1, 9):
+        log.write({"step": step, "loss": 5.0 - 0.1 * step})
+        if step % 4 == 0:
+            log.write({"step": step, "eval_loss": 5.0 - 0.1 * step})
+    log.close()
+    plot_losses(tmp_path)
+    before = (tmp_path / LOSS_PLOT).read_bytes()
+
+    resumed = RunLog(tmp_path, step=4, tensorboard=False)
+    assert resumed.rolled_back == 5  # losses 5..8 and the eval at 8
+    resumed.write({"step": 5, "loss": 1.0})
+    resumed.close()
+    assert [(r["step"], "eval_loss" in r) for r in read_metrics(tmp_path)] == (
+        [(s, False) for s in range(1, 4)] + [(4, False), (4, True), (5, False)])
+    assert (tmp_path / LOSS_PLOT).read_bytes() != before
+    again = RunLog(tmp_path, step=5, tensorboard=False)
+    again.close()
+    assert again.rolled_back == 0

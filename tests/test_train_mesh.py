@@ -1,6 +1,8 @@
 """train.py on a device mesh: a run checkpointed on one device resumes on an 8-device data x expert x
 sequence mesh (fake CPU devices) and continues with the losses the single-device run has; the same
-checkpoint restores for inference onto yet another mesh with every array in its new sharding."""
+checkpoint restores for inference onto yet another mesh with every array in its new sharding. The
+same seed gives the same initial model on 1 and on 8 devices, so fresh runs on both take the same
+first steps."""
 
 import json
 import pathlib
@@ -38,20 +40,29 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
     straight = tmp_path / "straight"
     _train(straight, env)
 
-    # The same run, resumed from its step-2 checkpoint on 8 devices (2 data x 2 expert x 2 sequence).
+    # The same run rolled back to its step-2 checkpoint (the newer one deleted) and resumed on 8 devices
+    # (2 data x 2 expert x 2 sequence): the metrics of steps 3 and 4 are dropped, then logged again.
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / str(STEPS))
-    metrics = resumed / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
-                               if json.loads(line)["step"] <= 2 and "loss" in json.loads(line)))
-    out = _train(resumed, dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"), *MESH)
+    eight = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = _train(resumed, eight, *MESH)
     assert "8 cpu device(s) (mesh {'data': 2, 'expert': 2, 'sequence': 2})" in out, out
     assert "resumed from" in out and "at step 2" in out, out
+    steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4], steps  # four losses and the final eval, each once
 
     want, got = _losses(straight), _losses(resumed)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in (3, 4):  # float32; only the reduction order differs between the meshes
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(got[step][key], want[step][key], rtol=2e-5, err_msg=f"step {step} {key}")
+
+    # A fresh run on 8 devices starts from the single-device run's initial weights.
+    fresh = tmp_path / "fresh"
+    _train(fresh, eight, *MESH)
+    got = _losses(fresh)
+    for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(got[step][key], want[step][key], rtol=2e-5, err_msg=f"step {step} {key}")
 
@@ -73,6 +84,35 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
                    for x in jax.tree.leaves(state))
         print("restored", len(jax.tree.leaves(state)))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"), cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=eight,
+                          cwd=ROOT)
     assert proc.returncode == 0 and "restored" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+INIT_ON_TWO_MESHES = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from flax import nnx
+    from k3jax.config import load_config
+    from k3jax.sharding import make_mesh
+    from k3jax.training import init_train_state
+    small = sys.argv[1:]
+    one, eight = load_config("tiny", small), load_config("tiny", small + ["mesh.data=2", "mesh.expert=2",
+                                                                          "mesh.sequence=2"])
+    a = init_train_state(one, make_mesh(one.mesh, jax.devices()[:1]))
+    b = init_train_state(eight, make_mesh(eight.mesh))
+    leaves_a, leaves_b = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
+    assert len(leaves_a) == len(leaves_b) > 100
+    assert any(not x.sharding.is_fully_replicated for x in leaves_b)  # really laid out over the mesh
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(nnx.state(a)), leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    print("identical", len(leaves_a))
+""")
+
+
+@pytest.mark.slow
+def test_same_seed_same_initial_state_on_one_and_eight_devices(tmp_path):
+    env = dict(_env(tmp_path / "cache"), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", INIT_ON_TWO_MESHES, *SMALL, "train.batch_size=8"], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

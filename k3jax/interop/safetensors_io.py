@@ -43,8 +43,17 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+            if size < 8 or 8 + n > size:  # also a garbage length: nothing is read past the file
+                raise ValueError(f"{self.path}: not a complete safetensors file: it ends inside its header "
+                                 f"({size} bytes; the header needs {8 + n if size >= 8 else 8}). Was it cut "
+                                 f"short by an interrupted download or copy?")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path}: the safetensors header is not valid JSON ({e})") from None
         self.metadata = header.pop("__metadata__", None) or {}
         self._data_start = 8 + n
         self._meta = header

@@ -1,0 +1,300 @@
+"""The training run: :func:`train` trains (or resumes) a config in its run directory.
+
+``train.py`` is the command line around it. A run directory receives ``train.lock`` (held while
+the run is going, ``k3jax/run_lock.py``), ``config.yaml``, ``checkpoints/`` (``k3jax/checkpoint.py``),
+``metrics.jsonl``, ``tensorboard/`` and, at the end, ``loss.png`` (``k3jax/run_log.py``).
+
+Resuming: the latest checkpoint of the run directory is restored (model, optimizer, data position);
+metrics logged past it by an abandoned continuation are dropped; a ``train.steps`` that would move
+the learning rate at the resumed step is refused unless ``reschedule=True``
+(:func:`check_schedule`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import shutil
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import yaml
+from flax import nnx
+from tqdm import tqdm
+
+from k3jax import checkpoint, distributed
+from k3jax.config import Config, to_dict
+from k3jax.data.images import make_dataset
+from k3jax.data.tokenizers import load_tokenizer
+from k3jax.generate import generate
+from k3jax.model import plan_layers
+from k3jax.optim import learning_rate_schedule
+from k3jax.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
+from k3jax.run_log import RunLog, plot_losses
+from k3jax.sharding import abstract_with_shardings, make_mesh, shard_batch, state_shardings, use_mesh
+from k3jax.training import (TrainState, abstract_train_state, expert_imbalance_layers, init_train_state,
+                            make_eval_step, make_train_step)
+
+DEMO_PROMPT = "In the beginning"
+# The closing sample is drawn (greedy decoding of a small model loops on its most likely phrase).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95
+EVAL_BATCHES = 4
+
+
+class ScheduleChangeError(RuntimeError):
+    """Resuming with another ``train.steps`` would make the learning rate jump."""
+
+
+class _StopRequest(contextlib.AbstractContextManager):
+    """Turns the first Ctrl-C into a request honoured between steps (so the state is never caught
+    half-donated); a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _agreed(flag: bool) -> bool:
+    """``flag`` of any process, seen by all (a Ctrl-C reaches one host; every host must stop at the
+    same step, or the others would wait forever in the next step's collectives)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _print_main(text: str) -> None:
+    if distributed.is_main_process():
+        print(text, flush=True)
+
+
+def evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
+    """Mean next-token loss over the first :data:`EVAL_BATCHES` batches of the held-out split."""
+    nll = count = 0.0
+    # The held-out split is small (it may have fewer documents than there are processes), so every
+    # process reads the same global batches and contributes its own slice of rows.
+    eval_iter = iter(make_dataset(cfg, tokenizer, split="eval"))
+    n_proc, rank = jax.process_count(), jax.process_index()
+    for _ in range(EVAL_BATCHES):
+        batch = next(eval_iter, None)
+        if batch is None:
+            break
+        local = {k: np.split(np.asarray(v), n_proc)[rank] for k, v in batch.items()}
+        n, c = eval_step(state, shard_batch(local, mesh))
+        nll, count = nll + float(n), count + float(c)
+    return nll / max(count, 1.0)
+
+
+def init_weights_from(model, source: str, mesh=None) -> None:
+    """Copy the model weights (and router-bias state) of another run's latest checkpoint into
+    ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
+    src = pathlib.Path(source)
+    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src,
+                                         mesh=mesh if mesh is not None and mesh.size > 1 else None)
+    want, got = nnx.state(model), nnx.state(loaded)
+    layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
+    if layout(want) != layout(got):
+        raise checkpoint.CheckpointError(f"train.init_from={source}: its model has another architecture")
+    nnx.update(model, got)
+
+
+def check_schedule(saved: Config, cfg: Config, step: int, *, reschedule: bool) -> str | None:
+    """Whether ``cfg`` may resume at ``step`` a run checkpointed with config ``saved``, as far as the
+    learning-rate schedule goes (it is a function of ``train.steps``).
+
+    A change of ``train.steps`` that leaves the learning rate of the next update (optimizer step
+    ``step``) unchanged is allowed: during warmup, a constant or fixed-length decay, WSD's stable
+    phase (extending a WSD run moves its decay). One that moves it raises
+    :class:`ScheduleChangeError` unless ``reschedule``. Returns a line to report, or None.
+    """
+    old_steps, new_steps = saved.train.steps, cfg.train.steps
+    if old_steps == new_steps:
+        return None
+    old = float(learning_rate_schedule(cfg.train.optim, old_steps)(step))
+    new = float(learning_rate_schedule(cfg.train.optim, new_steps)(step))
+    change = f"train.steps {old_steps} -> {new_steps}"
+    if np.isclose(old, new, rtol=1e-6, atol=0.0):
+        return f"{change}: the learning-rate schedule now spans {new_steps} steps (at step {step} it is unchanged)"
+    if not reschedule:
+        raise ScheduleChangeError(
+            f"{change} on resume recomputes the {cfg.train.optim.schedule} learning-rate schedule: at step {step} "
+            f"it would jump from {old:.4g} to {new:.4g}. Pass --reschedule (train(..., reschedule=True)) to accept "
+            f"that, or resume with train.steps={old_steps}.")
+    return f"{change}: learning rate at step {step} {old:.4g} -> {new:.4g} (--reschedule)"
+
+
+def _abstract_on(cfg: Config, mesh) -> TrainState:
+    """A ``TrainState`` of ShapeDtypeStructs in their rule-derived shardings on ``mesh``: the target a
+    checkpoint restores into."""
+    graphdef, abstract = abstract_train_state(cfg)
+    return nnx.merge(graphdef, abstract_with_shardings(abstract, state_shardings(abstract, mesh)))
+
+
+def _clear_run_dir(out: pathlib.Path) -> None:
+    """Delete the run directory's contents but the lock file (its holder is this process)."""
+    for child in out.iterdir():
+        if child.name == LOCK_FILE:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_tokens: int = 200) -> dict:
+    """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
+    the last logged ``loss``, ``eval_loss``, ``sample`` and ``interrupted`` (True when stopped by
+    Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards.
+
+    ``fresh``: delete the run directory's contents first instead of resuming. ``reschedule``: accept a
+    learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
+
+    Raises :class:`~k3jax.run_lock.RunLockedError` if another process is training in the run
+    directory, :class:`~k3jax.checkpoint.CheckpointError` if its checkpoint cannot be resumed,
+    :class:`ScheduleChangeError`.
+    """
+    out = pathlib.Path(cfg.train.out_dir)
+    main_process = distributed.is_main_process()
+    with contextlib.ExitStack() as lock:
+        refused = None
+        if main_process:  # one lock per job: the other processes of a multi-host run share the directory
+            try:
+                lock.enter_context(lock_run_dir(out))
+            except RunLockedError as e:
+                refused = e
+        if _agreed(refused is not None):
+            raise refused or RunLockedError(f"run directory {out} is in use by another process (process 0 says)")
+        if fresh and main_process:
+            _clear_run_dir(out)
+        if jax.process_count() > 1:  # nobody reads the run directory before process 0 has cleared it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("k3jax.train: run directory ready")
+        out.mkdir(parents=True, exist_ok=True)
+        mesh = make_mesh(cfg.mesh)
+        with use_mesh(mesh):
+            return _train(cfg, mesh, out, reschedule, sample_tokens)
+
+
+def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens: int) -> dict:
+    tc = cfg.train
+    main_process = distributed.is_main_process()
+
+    tokenizer = load_tokenizer(tc.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {tc.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
+                                   process_count=jax.process_count()))
+    mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
+                              item_names=checkpoint.TRAIN_ITEMS)
+    if mngr.latest_step() is not None:
+        # Restored straight into the state's shardings: no init program, no second copy of the weights.
+        ts = _abstract_on(cfg, mesh)
+        start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter)
+        note = check_schedule(checkpoint.restore_config(out / "checkpoints", step=start)[0], cfg, start,
+                              reschedule=reschedule)
+        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}" + (f"; {note}" if note else ""))
+    else:
+        ts, start = init_train_state(cfg, mesh), 0
+        if tc.init_from:
+            init_weights_from(ts.model, tc.init_from, mesh)
+            tqdm.write(f"initialised the model from {tc.init_from}")
+    if main_process:
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    graphdef, state = nnx.split(ts)
+    # What a checkpoint does not hold (the count of updates skipped by the NaN guard) restarts at zero.
+    state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+                         if isinstance(x, jax.ShapeDtypeStruct) else x, state)
+    if mesh.size == 1:
+        # The batches are placed on the (one-device) mesh, and so are the step's outputs: the state
+        # starts there too, or the second step would compile the train step again for the new types.
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    schedule = learning_rate_schedule(tc.optim, tc.steps)
+    step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
+    moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
+
+    log = RunLog(out, step=start, enabled=main_process)
+    if log.rolled_back:
+        tqdm.write(f"dropped {log.rolled_back} metrics record(s) logged after step {start} "
+                   f"(a continuation that was rolled back)")
+    record, eval_loss, saved_step, step = {}, float("nan"), start, start
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
+    t0, tokens_seen = time.perf_counter(), 0.0
+    # Trace the step from empty trace caches: what the eager set-up left in them changes how the
+    # step's jitted helpers are shared in its module, hence the persistent compilation cache key.
+    jax.clear_caches()
+    with _StopRequest() as stop:
+        while step < tc.steps and not _agreed(stop.requested):
+            state, metrics = step_fn(state, shard_batch(next(train_iter), mesh))
+            step += 1
+            bar.update(1)
+            tokens_seen += float(metrics["tokens"])
+            if not bool(metrics["finite"]):
+                tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
+            if step % tc.log_every == 0 or step == tc.steps:
+                dt = time.perf_counter() - t0
+                imbalance = np.asarray(metrics["expert_imbalance"])
+                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
+                          "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
+                log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}",
+                                imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
+                t0, tokens_seen = time.perf_counter(), 0.0
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
+            if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
+                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter)
+                saved_step = step
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    if step < tc.steps:
+        log.close()
+        _print_main(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
+                    f"Run the same command to resume.")
+        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
+
+    eval_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
+    log.write({"step": tc.steps, "eval_loss": eval_loss})
+    log.close()
+    plot = plot_losses(out) if main_process else None
+    _print_main(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
+                f"metrics in {out / 'metrics.jsonl'}, plot {plot}")
+
+    sample = ""
+    if sample_tokens:
+        model = nnx.merge(graphdef, state).model
+        prompt = np.asarray([tokenizer.encode(DEMO_PROMPT)], np.int32)
+        stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+        out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
+                              temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, stop_tokens=stops,
+                              seed=cfg.train.seed)
+        sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
+        _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{sample}\n")
+    return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
+            "interrupted": False}
+
+
+__all__ = ["ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "train"]
