@@ -118,14 +118,14 @@ def shift_slots(cache: ModelCache, shift) -> ModelCache:
                     valid=_move_slots(cache.valid, 1, shift, cache.max_len))
 
 
-def write_row(cache: ModelCache, row, src: ModelCache, shift) -> ModelCache:
+def write_row(cache: ModelCache, row, src: ModelCache, shift, src_row=0) -> ModelCache:
     """``cache`` with row ``row`` (an int, traced or not) replaced by the one row of ``src`` (a batch-1
     cache of the same model, any number of slots), its slots moved by ``shift`` as in
     :func:`shift_slots`: a prefilled request joins a running batch whose write position is
     ``cache.length`` when ``shift = cache.length - src.length``. ``cache.length`` is unchanged."""
 
     def put(dst, x, batch_axis, slot_axis):
-        x = jnp.take(x, 0, axis=batch_axis)
+        x = jnp.take(x, src_row, axis=batch_axis)
         if slot_axis is not None:
             x = _move_slots(x, slot_axis - 1, shift, dst.shape[slot_axis])
         index = (slice(None),) * batch_axis + (row,)
@@ -135,7 +135,7 @@ def write_row(cache: ModelCache, row, src: ModelCache, shift) -> ModelCache:
     for (c, b), (s, _) in zip(_layer_caches(cache), _layer_caches(src)):
         slot_axis = b + 1 if isinstance(c, MLACache) else None
         layers.append(type(c)(*(put(d, x, b, slot_axis) for d, x in zip(c, s))))
-    return _rebuild(cache, layers, positions=cache.positions.at[row].set(src.positions[0]),
+    return _rebuild(cache, layers, positions=cache.positions.at[row].set(src.positions[src_row]),
                     valid=put(cache.valid, src.valid, 0, 1))
 
 

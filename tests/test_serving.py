@@ -323,19 +323,21 @@ def test_queue_full_is_503_with_retry_after(served, monkeypatch):
 
 
 def test_write_row_and_shift_slots_keep_decoding_exact():
-    """A prompt prefilled alone, written into row 1 of a batch at another write position, then the
-    batch's slots moved back: decoding continues with the logits of one uninterrupted sequence."""
+    """A prompt prefilled in row 1 of a two-row prefill batch (beside another prompt), written into row
+    1 of a batch at another write position, then the batch's slots moved back: decoding continues
+    with the logits of one uninterrupted sequence."""
     model = small_model()
     graphdef, state = nnx.split(model)
     tok = jax.random.randint(jax.random.key(0), (1, 9), 0, 256)
     step = jax.jit(lambda t, c, v: nnx.merge(graphdef, state)(t, cache=c, token_valid=v))
     full, _ = jax.jit(lambda t: nnx.merge(graphdef, state)(t))(tok)
-    one = model.init_cache(1, 12)
-    _, one = step(tok[:, :6], one, jnp.ones((1, 6), bool))
+    other = jax.random.randint(jax.random.key(1), (1, 6), 0, 256)
+    one = model.init_cache(2, 12)
+    _, one = step(jnp.concatenate([other, tok[:, :6]]), one, jnp.ones((2, 6), bool))
     pool = model.init_cache(3, 20)
     for _ in range(10):  # the batch has advanced 10 slots; row 1 joins there
         _, pool = step(jnp.zeros((3, 1), jnp.int32), pool, jnp.zeros((3, 1), bool))
-    pool = jax.jit(write_row)(pool, 1, one, pool.length - one.length)
+    pool = jax.jit(write_row)(pool, 1, one, pool.length - one.length, 1)
     assert bool(pool.valid[1, 4:10].all()) and not bool(pool.valid[1, :4].any()) and int(pool.positions[1]) == 6
     logits, pool = step(jnp.broadcast_to(tok[:, 6:7], (3, 1)), pool, jnp.ones((3, 1), bool))
     pool = jax.jit(shift_slots)(pool, -4)  # row 1 now holds slots 0-6, the write position is 7

@@ -7,10 +7,13 @@ in the slots just before it, the slots before those marked invalid, exactly as `
 left-pads a ragged batch. A request's lifecycle:
 
 1. ``submit`` puts it in a bounded queue (full: ``QueueFull``, which the API answers with 503).
-2. When a row is free, its prompt is prefilled into a batch-1 cache, ``prefill_chunk`` tokens per
-   call (left-padded to a whole number of chunks: padding is a no-op for every layer), one chunk
-   between two decode steps, so a long prompt does not stall the running streams.
-3. The prefilled cache is written into the free row with its slots moved to end at the pool's
+2. When rows are free, the waiting prompts (up to ``prefill_batch`` of them, no more than the free
+   rows) are prefilled together into a small cache, ``prefill_chunk`` tokens per call (left-padded
+   to a whole number of chunks: padding is a no-op for every layer), one chunk between two decode
+   steps, so a long prompt does not stall the running streams. A lone prompt runs in a batch-1
+   program, several in the ``prefill_batch``-row one (unused rows all padding): a burst of new
+   requests joins the batch in one prefill instead of one prefill each.
+3. Each prefilled row is written into a free pool row with its slots moved to end at the pool's
    write position (``cache.write_row``); when the position is too small for the prompt, or reaches
    the end of the slots, every row is moved at once (``cache.shift_slots``, exact).
 4. Each decode step samples every row's next token from its last logits (per-row temperature,
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -79,12 +83,12 @@ class Sequence:
 
 @dataclasses.dataclass
 class _Prefill:
-    seq: Sequence
-    tokens: np.ndarray  # [1, chunks * P] left-padded prompt
-    valid: np.ndarray  # [1, chunks * P]
+    seqs: list[Sequence]  # row i of the prefill batch is seqs[i]; rows past len(seqs) are padding
+    tokens: np.ndarray  # [R, chunks * P] left-padded prompts
+    valid: np.ndarray  # [R, chunks * P]
     cache: object
     done: int = 0  # chunks run so far
-    last: object = None  # last logits [1, V]
+    last: object = None  # last logits [R, V]
 
 
 class Engine:
@@ -92,17 +96,19 @@ class Engine:
     model is laid out on (None or one device: unsharded)."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
-                 max_queue: int = 64, mesh=None, metrics: Metrics | None = None):
+                 prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None):
         cfg = model.cfg
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
             raise ValueError(f"max_len must be in [2, model.max_seq_len={cfg.max_seq_len}], got {self.max_len}")
-        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
+                            ("prefill_batch", prefill_batch)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+        self.prefill_batch = min(prefill_batch, max_batch)
         self.vocab_size = cfg.vocab_size
         self.metrics = metrics or Metrics()
         self.metrics.max_slots = max_batch
@@ -127,16 +133,16 @@ class Engine:
         def empty_pool():
             return init_cache(cfg, plan, b, c)
 
-        def empty_one():
-            return init_cache(wide, plan, 1, c + p)
+        def empty_prefill(rows):
+            return init_cache(wide, plan, rows, c + p)
 
         def prefill(state, cache, tokens, valid):
             logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
             return logits[:, -1], cache
 
-        def insert(pool, logits, keys, row, one, last, seed):
-            pool = write_row(pool, row, one, pool.length - one.length)
-            return pool, logits.at[row].set(last[0]), keys.at[row].set(jax.random.key(seed))
+        def insert(pool, logits, keys, row, src, src_row, last, seed):
+            pool = write_row(pool, row, src, pool.length - src.length, src_row)
+            return pool, logits.at[row].set(last[src_row]), keys.at[row].set(jax.random.key(seed))
 
         def realign(pool, shift):
             return shift_slots(pool, shift)
@@ -148,19 +154,22 @@ class Engine:
             logits, pool = nnx.merge(graphdef, state)(tokens[:, None], cache=pool, token_valid=active[:, None])
             return tokens, logits[:, -1], pairs[:, 0], pool
 
+        sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
         if self.mesh is None:
             jit = jax.jit
-            pool_sh = one_sh = rep = None
+            pool_sh, rep = None, None
+            pre_sh = {r: None for r in sizes}
         else:  # fixed output layouts: a step's outputs are the next step's inputs, never a new signature
             pool_sh = cache_shardings(jax.eval_shape(empty_pool), self.mesh)
-            one_sh = cache_shardings(jax.eval_shape(empty_one), self.mesh)
+            pre_sh = {r: cache_shardings(jax.eval_shape(functools.partial(empty_prefill, r)), self.mesh)
+                      for r in sizes}
             rep = NamedSharding(self.mesh, PartitionSpec())
 
             def jit(fn, out_shardings, **kw):
                 return jax.jit(fn, out_shardings=out_shardings, **kw)
         self._empty_pool = jit(empty_pool, out_shardings=pool_sh)
-        self._empty_one = jit(empty_one, out_shardings=one_sh)
-        self._prefill_fn = jit(prefill, out_shardings=(rep, one_sh), donate_argnums=(1,))
+        self._empty_prefill = {r: jit(functools.partial(empty_prefill, r), out_shardings=pre_sh[r]) for r in sizes}
+        self._prefill_fn = {r: jit(prefill, out_shardings=(rep, pre_sh[r]), donate_argnums=(1,)) for r in sizes}
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         self._decode_fn = jit(decode, out_shardings=(rep, rep, rep, pool_sh), donate_argnums=(1, 2, 3))
@@ -184,12 +193,13 @@ class Engine:
     def warmup(self) -> None:
         """Compile every device program now (a prefill, an insert, a move of the slots, a decode
         step on a dummy request), not at the first requests; then empty the pool."""
-        metrics, self.metrics = self.metrics, Metrics()  # the dummy request is not served traffic
+        metrics, self.metrics = self.metrics, Metrics()  # the dummy requests are not served traffic
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            seq = Sequence([0], SamplingParams(max_tokens=1), lambda t: None, lambda r: None)
-            self._start_prefill(seq)
-            while self._prefill is not None:
-                self._prefill_chunk()
+            for n in sorted({1, min(2, self.prefill_batch)}):  # the batch-1 and the batched prefill
+                self._start_prefill([Sequence([0], SamplingParams(max_tokens=1), lambda t: None, lambda r: None)
+                                     for _ in range(n)])
+                while self._prefill is not None:
+                    self._prefill_chunk()
             self._realign(0)
             self._decode_step()
             jax.block_until_ready(self._pool)
@@ -230,7 +240,7 @@ class Engine:
             self._cond.notify()
 
     def active_count(self) -> int:
-        return sum(r is not None for r in self._rows) + (self._prefill is not None)
+        return sum(r is not None for r in self._rows) + (len(self._prefill.seqs) if self._prefill else 0)
 
     def queue_length(self) -> int:
         return len(self._queue)
@@ -267,21 +277,22 @@ class Engine:
                     self._iteration()
                 except Exception:  # a failed device call: fail what is in flight, keep serving
                     log.exception("engine step failed; failing the requests in flight")
-                    for seq in [*self._rows, self._prefill.seq if self._prefill else None]:
+                    for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ())]:
                         if seq is not None:
                             self._finish(seq, "error")
                     self._reset()
-            for seq in [*self._rows, self._prefill.seq if self._prefill else None, *self._queue]:
+            for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ()), *self._queue]:
                 if seq is not None:
                     self._finish(seq, "cancelled")
 
     def _iteration(self):
         self._reap_cancelled()
-        if self._prefill is None and None in self._rows:
+        free = self._rows.count(None)
+        if self._prefill is None and free:
             with self._cond:
-                seq = self._queue.popleft() if self._queue else None
-            if seq is not None:
-                self._start_prefill(seq)
+                seqs = [self._queue.popleft() for _ in range(min(free, self.prefill_batch, len(self._queue)))]
+            if seqs:
+                self._start_prefill(seqs)
         if self._prefill is not None:
             self._prefill_chunk()
             # nothing decoding: no stream to keep waiting, run the whole prompt
@@ -296,9 +307,13 @@ class Engine:
             if seq is not None and seq.cancelled:
                 self._rows[r] = None
                 self._finish(seq, seq.cancelled)
-        if self._prefill is not None and self._prefill.seq.cancelled:
-            self._finish(self._prefill.seq, self._prefill.seq.cancelled)
-            self._prefill = None
+        if self._prefill is not None:
+            for i, seq in enumerate(self._prefill.seqs):
+                if seq is not None and seq.cancelled:
+                    self._prefill.seqs[i] = None  # its prefill row runs on as padding, never inserted
+                    self._finish(seq, seq.cancelled)
+            if not any(self._prefill.seqs):
+                self._prefill = None
         with self._cond:
             cancelled = [s for s in self._queue if s.cancelled]
             for seq in cancelled:
@@ -306,33 +321,41 @@ class Engine:
         for seq in cancelled:
             self._finish(seq, seq.cancelled)
 
-    def _start_prefill(self, seq: Sequence):
-        n, p = len(seq.prompt), self.prefill_chunk
-        padded = -(-n // p) * p
-        tokens = np.zeros((1, padded), np.int32)
-        tokens[0, padded - n:] = seq.prompt
-        valid = np.zeros((1, padded), bool)
-        valid[0, padded - n:] = True
-        self._prefill = _Prefill(seq, tokens, valid, self._empty_one())
+    def _start_prefill(self, seqs: list[Sequence]):
+        """Prefill ``seqs`` (1 <= len <= prefill_batch, no more than the free rows) together."""
+        rows = 1 if len(seqs) == 1 else self.prefill_batch
+        p = self.prefill_chunk
+        padded = -(-max(len(s.prompt) for s in seqs) // p) * p
+        tokens = np.zeros((rows, padded), np.int32)
+        valid = np.zeros((rows, padded), bool)
+        for i, seq in enumerate(seqs):
+            tokens[i, padded - len(seq.prompt):] = seq.prompt
+            valid[i, padded - len(seq.prompt):] = True
+        self._prefill = _Prefill(list(seqs), tokens, valid, self._empty_prefill[rows]())
 
     def _prefill_chunk(self):
         job, p = self._prefill, self.prefill_chunk
         i = job.done * p
-        job.last, job.cache = self._prefill_fn(self._state, job.cache, job.tokens[:, i:i + p], job.valid[:, i:i + p])
+        job.last, job.cache = self._prefill_fn[job.tokens.shape[0]](self._state, job.cache, job.tokens[:, i:i + p],
+                                                                    job.valid[:, i:i + p])
         job.done += 1
         if job.done * p == job.tokens.shape[1]:
-            self._insert(job)
+            for src_row, seq in enumerate(job.seqs):
+                if seq is not None:
+                    self._insert(job, src_row)
             self._prefill = None
 
-    def _insert(self, job: _Prefill):
-        seq, n = job.seq, len(job.seq.prompt)
+    def _insert(self, job: _Prefill, src_row: int):
+        seq = job.seqs[src_row]
+        n = len(seq.prompt)
         if self._length < n:  # the row's tokens must all precede the write position
             self._realign(n - self._length)
         row = self._rows.index(None)
         params = seq.params
         seed = params.seed if params.seed is not None else next(self._seeds)
         self._pool, self._logits, self._keys = self._insert_fn(self._pool, self._logits, self._keys, np.int32(row),
-                                                               job.cache, job.last, np.uint32(seed % 2**32))
+                                                               job.cache, np.int32(src_row), job.last,
+                                                               np.uint32(seed % 2**32))
         self._rows[row], self._filled[row] = seq, n
         self._temperature[row], self._top_p[row] = params.temperature, params.top_p
         self.metrics.tokens(prompt=n)

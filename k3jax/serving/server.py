@@ -18,6 +18,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    "model's max_seq_len)")
     g.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per call between "
                    "two decode steps")
+    g.add_argument("--prefill-batch", type=int, default=8, help="waiting prompts prefilled together (a "
+                   "burst of requests joins the running batch in one prefill)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     g.add_argument("--model-name", help="the model id of the API (default: the config's name)")
 
@@ -30,7 +32,7 @@ def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -
 
     try:
         engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        max_queue=args.max_queue, mesh=mesh)
+                        prefill_batch=args.prefill_batch, max_queue=args.max_queue, mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     app = create_app(engine, tokenizer, args.model_name or name)
