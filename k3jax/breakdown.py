@@ -20,7 +20,8 @@ counts each instruction itself:
   scattered / exchanged array (twice that for an all-reduce, a reduce-scatter plus an all-gather).
 - **Trip counts**: every computation gets a multiplier, the number of times it runs per step:
   while bodies multiply by their ``known_trip_count`` (the scanned layer groups, the micro-batch
-  loop, chunk loops), fusions / calls / conditional branches inherit their caller's.
+  loop, chunk loops), fusions / calls inherit their caller's; a conditional counts its costliest
+  branch only (which branch runs is known at run time only: an upper bound).
 
 **Attribution** uses the ``jax.named_scope`` names the model puts on its parts (``PARTS``): an
 instruction belongs to the innermost part named in its ``op_name`` metadata (relative names inside
@@ -169,6 +170,48 @@ def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None) -> list[tu
     return out
 
 
+def _instr_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    if ins.opcode == "dot":
+        return _dot_flops(ins, shapes)
+    if ins.opcode == "convolution":
+        return _conv_flops(ins, shapes)
+    if ins.opcode == "custom-call":
+        return _custom_call_flops(ins, shapes)
+    return 0.0
+
+
+def _untaken_branches(comps: dict[str, list[Instr]]) -> set[tuple[str, str]]:
+    """(conditional instruction, branch) pairs not counted: a conditional runs one branch per call, which
+    one is only known at run time, so it counts its costliest branch (an upper bound; e.g. the exact
+    rather than the dense path of a KDA chunk, a causal block's attention rather than its skip)."""
+    memo: dict[str, float] = {}
+
+    def total(comp: str) -> float:  # FLOPs of one run of comp, callees included (max over branches)
+        if comp not in memo:
+            memo[comp] = 0.0  # guards cycles, which HLO does not have
+            instrs = comps.get(comp, [])
+            shapes = {i.name: i.shape for i in instrs}
+            flops = 0.0
+            for ins in instrs:
+                flops += _instr_flops(ins, shapes)
+                callees = _callees(ins, comps)
+                if ins.opcode == "conditional":
+                    flops += max((total(c) for c, _ in callees), default=0.0)
+                else:
+                    flops += sum(total(c) * t for c, t in callees)
+            memo[comp] = flops
+        return memo[comp]
+
+    skipped = set()
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode == "conditional":
+                branches = [c for c, _ in _callees(ins, comps)]
+                costliest = max(branches, key=total, default=None)
+                skipped |= {(ins.name, c) for c in branches if c != costliest}
+    return skipped
+
+
 def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, float], dict[tuple[str, str], str]]:
     """Runs per step of every computation reachable from ``entry``, and every instruction's full name:
     its op_name, prefixed with its first caller's when relative; an instruction whose name holds no part
@@ -176,11 +219,12 @@ def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, fl
     operand that has one, the latest in the step (a backward operand makes it backward work)."""
     edges = collections.defaultdict(list)
     indegree = collections.Counter()
+    untaken = _untaken_branches(comps)
     for comp, instrs in comps.items():
         for ins in instrs:
             for callee, times in _callees(ins, comps):
                 if callee in comps:
-                    edges[comp].append((callee, times, ins))
+                    edges[comp].append((callee, 0 if (ins.name, callee) in untaken else times, ins))
                     indegree[callee] += 1
     mult = collections.defaultdict(float, {entry: 1.0})
     context = {entry: ""}
@@ -392,14 +436,7 @@ def breakdown(hlo_text: str) -> Breakdown:
             name = names.get((comp, ins.name), ins.op_name)
             part = part_of(name)
             key = (part, phase_of(name, part))
-            if ins.opcode == "dot":
-                flops = _dot_flops(ins, shapes)
-            elif ins.opcode == "convolution":
-                flops = _conv_flops(ins, shapes)
-            elif ins.opcode == "custom-call":
-                flops = _custom_call_flops(ins, shapes)
-            else:
-                flops = 0.0
+            flops = _instr_flops(ins, shapes)
             if flops:
                 out.flops[key] += times * flops
                 if part == "other":

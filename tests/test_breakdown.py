@@ -82,6 +82,20 @@ ENTRY %main (p0: bf16[8,64,32], p1: bf16[8,32,16]) -> bf16[8,64,16] {
     assert b.collective_by_part["kda"] == b.collective_bytes["all-gather"]
 
 
+def test_a_conditional_counts_its_costliest_branch():
+    """``lax.cond`` runs one branch: count the costlier (an upper bound), not both (two matmuls, not
+    three or four)."""
+    x = jnp.ones((8, 16))
+    w = jnp.ones((16, 32))
+
+    def f(x, w, pred):
+        with jax.named_scope("mla"):
+            return jax.lax.cond(pred, lambda: (x @ w) @ w.T, lambda: jnp.tanh(x @ w) @ w[:16].T)
+
+    b = _compile(f, x, w, jnp.bool_(True))
+    assert b.flops[("mla", "forward")] == 2 * (2 * 8 * 16 * 32)
+
+
 def test_tpu_convolution_with_an_output_dimension_as_a_padded_window():
     """A projection ``btd,dhk->bthk`` as XLA:TPU writes it (the head axis a window of 4 padded by 3 on
     both sides: one real tap per output) and its weight gradient (the batch contracted through a window
