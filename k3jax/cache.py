@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.layer_plan import LayerPlan
 
 
 class KDACache(NamedTuple):
@@ -65,7 +66,7 @@ def layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int, dtype) -
                     jnp.zeros((batch, max_len, c.qk_rope_head_dim), dtype))
 
 
-def init_cache(cfg: ModelConfig, plan, batch: int, max_len: int) -> ModelCache:
+def init_cache(cfg: ModelConfig, plan: LayerPlan, batch: int, max_len: int) -> ModelCache:
     """An empty cache for ``batch`` rows of up to ``max_len`` slots (prompt + generated)."""
     if max_len > cfg.max_seq_len:
         raise ValueError(f"cache length {max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
@@ -75,11 +76,10 @@ def init_cache(cfg: ModelConfig, plan, batch: int, max_len: int) -> ModelCache:
         return layer_cache(cfg, cfg.mixer(i), batch, max_len, dtype)
 
     def stacked(slot):
-        caches = [one(plan.group_start + g * len(plan.group_kinds) + slot) for g in range(plan.num_groups)]
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[one(i) for i in plan.slot_layers(slot)])
 
     return ModelCache(prefix=tuple(one(i) for i in plan.prefix),
-                      groups=tuple(stacked(s) for s in range(len(plan.group_kinds))) if plan.num_groups else (),
+                      groups=tuple(stacked(s) for s in range(plan.period)) if plan.num_groups else (),
                       suffix=tuple(one(i) for i in plan.suffix),
                       length=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch,), jnp.int32),
                       valid=jnp.zeros((batch, max_len), bool))

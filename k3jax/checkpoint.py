@@ -24,16 +24,15 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from k3jax.config import Config, from_dict, to_dict
+from k3jax.config import Config, TrainConfig, from_dict, runtime_fields, to_dict, without_runtime_fields
 from k3jax.model import K3Model, abstract_model
 from k3jax.sharding import abstract_with_shardings, state_shardings
 
 TRAIN_ITEMS = ("config", "model", "optimizer", "data")
-# Train fields that may change when a run resumes: how long and how it is logged and saved.
-# Everything else (model, optimizer, data, batch, seed, ...) must match, or the resumed run would
-# silently differ from the one that was checkpointed.
-RESUMABLE_TRAIN_FIELDS = frozenset({"steps", "log_every", "eval_every", "checkpoint_every",
-                                    "keep_checkpoints", "out_dir"})
+# Train fields that may change when a run resumes (the runtime fields of k3jax.config: how long and how
+# it is logged and saved). Everything else but runtime fields (model, optimizer, data, batch, seed, ...)
+# must match, or the resumed run would silently differ from the one that was checkpointed.
+RESUMABLE_TRAIN_FIELDS = runtime_fields(TrainConfig)
 
 
 class CheckpointError(RuntimeError):
@@ -79,8 +78,8 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
     model field raises instead of restoring weights into the wrong architecture.
     """
     saved, step = restore_config(directory, step=step)
-    if config is not None and config.model != saved.model:
-        diff = _diff(to_dict(config.model), to_dict(saved.model))
+    if config is not None and without_runtime_fields(config.model) != without_runtime_fields(saved.model):
+        diff = _diff(without_runtime_fields(config.model), without_runtime_fields(saved.model))
         raise ValueError(f"checkpoint {directory} (step {step}) does not match the config: {diff}")
     graphdef, abstract_state = nnx.split(abstract_model(saved.model))
     if mesh is None:
@@ -113,7 +112,8 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
     returns its step, or None when there is none.
 
     Raises :class:`CheckpointError` if the checkpoint was written by a run whose config differs in
-    anything but :data:`RESUMABLE_TRAIN_FIELDS`, or if it cannot be read.
+    anything but its runtime fields (:data:`RESUMABLE_TRAIN_FIELDS`, ``mesh``, and the model's
+    compile / kernel choices: ``k3jax.config.runtime_fields``), or if it cannot be read.
     """
     import grain
 
@@ -144,13 +144,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
 
 
 def _config_mismatch(current: Config, saved: Config) -> str:
-    a, b = to_dict(current), to_dict(saved)
-    for key in ("name", "mesh"):  # a run may resume on another mesh: orbax reshards on restore
-        a.pop(key, None), b.pop(key, None)
-    for d in (a, b):
-        for f in RESUMABLE_TRAIN_FIELDS:
-            d.get("train", {}).pop(f, None)
-    return _diff(a, b, prefix="")
+    return _diff(without_runtime_fields(current), without_runtime_fields(saved), prefix="")
 
 
 def _summary(error: Exception, limit: int = 240) -> str:

@@ -31,6 +31,56 @@ def _check(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+def _runtime(default):
+    """A field that says how a run executes or is observed, not what it computes: it may differ between a
+    checkpoint and the config that resumes or reads it, and HF config round trips ignore it
+    (:func:`without_runtime_fields`)."""
+    return dataclasses.field(default=default, metadata={"runtime": True})
+
+
+def runtime_fields(cls) -> frozenset[str]:
+    """Names of the fields of config dataclass ``cls`` marked runtime."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("runtime"))
+
+
+def without_runtime_fields(cfg) -> dict:
+    """``to_dict(cfg)`` without the runtime fields, at every depth: what must match for two configs to
+    describe the same model (or the same run)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.metadata.get("runtime"):
+            continue
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = without_runtime_fields(v)
+        out[f.name] = list(v) if isinstance(v, tuple) else v  # as to_dict
+    return out
+
+
+def _choice_error(value: Any, tp: Any) -> str | None:
+    """The message for a value outside a ``Literal[...]`` annotation (also ``Literal | None``), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(tp) is not Literal or value in typing.get_args(tp):
+        return None
+    return f"must be one of {list(typing.get_args(tp))}, got {value!r}"
+
+
+def _check_choices(cfg, prefix: str) -> None:
+    """Every ``Literal[...]``-annotated field of ``cfg`` and of its nested configs holds an allowed value
+    (configs built in Python skip :func:`_coerce`, which checks the same rule on loading)."""
+    for name, tp in _field_types(type(cfg)).items():
+        value = getattr(cfg, name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}.{name}")
+        else:
+            error = _choice_error(value, tp)
+            _check(error is None, f"{prefix}.{name}", error or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class KDAConfig:
     """Kimi Delta Attention (SPEC §2)."""
@@ -42,19 +92,15 @@ class KDAConfig:
     gate_lower_bound: float = -5.0
     gate_rank: int = 0  # low-rank forget-gate projection d -> r -> H*K; 0 means r = head_dim
     output_gate: Literal["full", "low_rank", "none"] = "full"
-    chunk_size: int = 64
+    chunk_size: int = _runtime(64)
     norm_eps: float = 1e-5
 
     def validate(self, prefix: str) -> None:
         _check(self.num_heads > 0, f"{prefix}.num_heads", "must be positive")
         _check(self.head_dim > 0, f"{prefix}.head_dim", "must be positive")
         _check(self.conv_size >= 0, f"{prefix}.conv_size", "must be >= 0")
-        _check(self.gate in ("lower_bound", "softplus"), f"{prefix}.gate",
-               f"must be 'lower_bound' or 'softplus', got {self.gate!r}")
         _check(self.gate_lower_bound < 0, f"{prefix}.gate_lower_bound", "must be negative")
         _check(self.gate_rank >= 0, f"{prefix}.gate_rank", "must be >= 0")
-        _check(self.output_gate in ("full", "low_rank", "none"), f"{prefix}.output_gate",
-               f"must be 'full', 'low_rank' or 'none', got {self.output_gate!r}")
         _check(self.chunk_size > 0, f"{prefix}.chunk_size", "must be positive")
 
     @property
@@ -96,8 +142,6 @@ class MLAConfig:
             _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
         _check(self.q_lora_rank >= 0, f"{prefix}.q_lora_rank", "must be >= 0")
         _check(self.qk_rope_head_dim >= 0, f"{prefix}.qk_rope_head_dim", "must be >= 0")
-        _check(self.rope in ("none", "rope", "yarn"), f"{prefix}.rope",
-               f"must be 'none', 'rope' or 'yarn', got {self.rope!r}")
         if self.rope != "none":
             _check(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim > 0,
                    f"{prefix}.qk_rope_head_dim", "must be a positive even number when rope is on")
@@ -129,15 +173,13 @@ class MoEConfig:
     qb_bins: int = 256
     # Expert-parallel token exchange over the ``expert`` mesh axis (k3jax/parallel/expert.py):
     # "auto" = ragged_all_to_all on TPU / GPU, all_gather on CPU (which lacks ragged_all_to_all).
-    ep_dispatch: Literal["auto", "ragged_all_to_all", "all_to_all", "all_gather"] = "auto"
+    ep_dispatch: Literal["auto", "ragged_all_to_all", "all_to_all", "all_gather"] = _runtime("auto")
     # Rows each device reserves for the (token, expert) pairs it receives, in units of its fair share
     # n*k: 0 = the worst case (dropless); c > 0 caps it at c*n*k and drops what overflows.
     ep_capacity_factor: float = 0.0
 
     def validate(self, prefix: str) -> None:
         _check(self.num_experts > 0, f"{prefix}.num_experts", "must be positive")
-        _check(self.ep_dispatch in ("auto", "ragged_all_to_all", "all_to_all", "all_gather"), f"{prefix}.ep_dispatch",
-               f"must be auto, ragged_all_to_all, all_to_all or all_gather, got {self.ep_dispatch!r}")
         _check(self.ep_capacity_factor >= 0, f"{prefix}.ep_capacity_factor", "must be >= 0 (0 = dropless)")
         _check(0 < self.top_k <= self.num_experts, f"{prefix}.top_k",
                f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
@@ -155,11 +197,22 @@ class AttnResConfig:
     """Block Attention Residuals (SPEC §4). ``enabled = False`` gives a plain pre-norm stack."""
 
     enabled: bool = True
-    block_size: int = 12  # decoder layers per block; blocks close at layers 0, bs, 2bs, ...
+    block_size: int = 12  # decoder layers per block (closes_block)
     eps: float = 1e-5
 
     def validate(self, prefix: str) -> None:
         _check(self.block_size > 0, f"{prefix}.block_size", "must be positive")
+
+    def closes_block(self, layer):
+        """Whether decoder layer ``layer`` (an int, or an int array traced inside the scan) first pushes
+        the running partial sum into the bank: layers 0, block_size, 2 block_size, ... (at layer 0 the
+        partial is the embedding)."""
+        return layer % self.block_size == 0
+
+    def num_slots(self, num_layers: int) -> int:
+        """Bank rows a ``num_layers`` stack fills: one per closing layer (the embedding included). The
+        final readout mixes these and the running partial: ``num_slots + 1`` sources."""
+        return -(-num_layers // self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,15 +237,6 @@ class QuantConfig:
     # scale up, AITER's e8m0 rounding), "ocp" (the OCP spec's floor rule; clips block peaks).
     scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"
     activation_scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"  # MXFP8 inputs: the serving kernels' rule
-
-    def validate(self, prefix: str = "model.quant") -> None:
-        _check(self.experts in ("none", "mxfp4_qat", "mxfp4"), f"{prefix}.experts",
-               f"must be none, mxfp4_qat or mxfp4, got {self.experts!r}")
-        _check(self.activations in ("none", "mxfp8"), f"{prefix}.activations",
-               f"must be none or mxfp8, got {self.activations!r}")
-        for f in ("scale_rule", "activation_scale_rule"):
-            _check(getattr(self, f) in ("ceil", "aiter", "ocp"), f"{prefix}.{f}",
-                   f"must be ceil, aiter or ocp, got {getattr(self, f)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +310,8 @@ class ModelConfig:
     situ_linear_beta: float = 25.0  # softcap of the linear branch
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    init_std: float = 0.02
-    max_seq_len: int = 4096
+    init_std: float = _runtime(0.02)  # initialisation only
+    max_seq_len: int = _runtime(4096)  # longest input (cache) allowed
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()
@@ -281,29 +325,18 @@ class ModelConfig:
     # none; full: each layer's forward runs once more in the backward pass (8N); nested: a scanned
     # group is checkpointed too (one more forward, 10N, for a group's worth of saved inputs); dots:
     # matmul outputs saved (k3jax/model.py)
-    remat: Literal["none", "full", "nested", "dots"] = "none"
+    remat: Literal["none", "full", "nested", "dots"] = _runtime("none")
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
-    kda_impl: Literal["xla", "pallas"] = "xla"
-    moe_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"  # k3jax/kernels.py
+    kda_impl: Literal["xla", "pallas"] = _runtime("xla")
+    moe_impl: Literal["auto", "ragged_dot", "pallas"] = _runtime("auto")  # k3jax/kernels.py
 
     def validate(self, prefix: str = "model") -> None:
+        _check_choices(self, prefix)
         for f in ("vocab_size", "hidden_size", "num_layers", "dense_ffn_dim", "mla_period", "max_seq_len"):
             _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
-        _check(self.layout in ("hybrid", "mla", "kda"), f"{prefix}.layout",
-               f"must be 'hybrid', 'mla' or 'kda', got {self.layout!r}")
         _check(0 <= self.first_dense_layers <= self.num_layers, f"{prefix}.first_dense_layers",
                f"must be in [0, num_layers={self.num_layers}]")
-        _check(self.activation in ("situ_glu", "swiglu"), f"{prefix}.activation",
-               f"must be 'situ_glu' or 'swiglu', got {self.activation!r}")
-        _check(self.dtype in ("float32", "bfloat16"), f"{prefix}.dtype", "must be float32 or bfloat16")
-        _check(self.param_dtype in ("float32", "bfloat16"), f"{prefix}.param_dtype",
-               "must be float32 or bfloat16")
-        _check(self.remat in ("none", "full", "nested", "dots"), f"{prefix}.remat",
-               "must be none, full, nested or dots")
-        _check(self.kda_impl in ("xla", "pallas"), f"{prefix}.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
-        _check(self.moe_impl in ("auto", "ragged_dot", "pallas"), f"{prefix}.moe_impl",
-               f"must be auto, ragged_dot or pallas, got {self.moe_impl!r}")
         _check(self.moe_impl != "pallas" or self.quant.activations == "none", f"{prefix}.moe_impl",
                "the Pallas grouped matmul has no MXFP8 input quantization; use ragged_dot with quant.activations")
         if self.mla_layers is not None:
@@ -316,7 +349,6 @@ class ModelConfig:
         if self.first_dense_layers < self.num_layers:
             self.moe.validate(f"{prefix}.moe")
         self.attn_res.validate(f"{prefix}.attn_res")
-        self.quant.validate(f"{prefix}.quant")
         if self.vision.enabled:
             self.vision.validate(f"{prefix}.vision", self.vocab_size)
         quantized = self.quant.experts != "none" or self.quant.activations != "none"
@@ -345,12 +377,6 @@ class ModelConfig:
 
     def uses(self, mixer: str) -> bool:
         return any(self.mixer(i) == mixer for i in range(self.num_layers))
-
-    @property
-    def num_attn_res_sources(self) -> int:
-        """Embedding + completed blocks + the running partial (the final readout's source count)."""
-        blocks = -(-self.num_layers // self.attn_res.block_size)  # blocks closed at 0, bs, ...
-        return blocks + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,8 +408,6 @@ class OptimConfig:
         _check(0 <= self.end_lr_fraction <= 1, f"{prefix}.end_lr_fraction", "must be in [0, 1]")
         _check(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
         _check(self.ns_steps > 0, f"{prefix}.ns_steps", "must be positive")
-        _check(self.muon_dtype in ("float32", "bfloat16"), f"{prefix}.muon_dtype",
-               f"must be float32 or bfloat16, got {self.muon_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,16 +430,17 @@ class DataConfig:
 class TrainConfig:
     """The training run: ``python train.py --config NAME key=value ...``."""
 
-    steps: int = 200
+    # Runtime fields: how long the run is and how it is logged and saved (they may change on resume).
+    steps: int = _runtime(200)
     batch_size: int = 8  # global rows per optimizer step
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
     seq_len: int = 128
     seed: int = 0
-    log_every: int = 20
-    eval_every: int = 0  # 0: only at the end
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    out_dir: str = "runs/default"
+    log_every: int = _runtime(20)
+    eval_every: int = _runtime(0)  # 0: only at the end
+    checkpoint_every: int = _runtime(100)
+    keep_checkpoints: int = _runtime(3)
+    out_dir: str = _runtime("runs/default")
     # Fine-tuning: a fresh run starts from the model weights of this run directory's (or checkpoint
     # directory's) latest checkpoint, e.g. MXFP4 QAT of an unquantized run; ignored when resuming.
     init_from: str | None = None
@@ -424,6 +449,7 @@ class TrainConfig:
     data: DataConfig = DataConfig()
 
     def validate(self, prefix: str = "train") -> None:
+        _check_choices(self, prefix)
         for f in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "checkpoint_every"):
             _check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
         _check(self.batch_size % self.grad_accum == 0, f"{prefix}.grad_accum",
@@ -450,10 +476,10 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    name: str = "custom"
+    name: str = _runtime("custom")
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = _runtime(MeshConfig())  # a run may resume on another mesh: orbax reshards on restore
 
     def validate(self) -> None:
         self.model.validate("model")
@@ -481,8 +507,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return _from_dict(tp, value, where)
     if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: must be one of {list(typing.get_args(tp))}, got {value!r}")
+        _check(_choice_error(value, tp) is None, where, _choice_error(value, tp) or "")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

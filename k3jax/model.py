@@ -1,23 +1,27 @@
-"""The K3 decoder: embedding, the layer stack of SPEC §1, Block AttnRes readout, final norm, lm_head.
+"""The K3 decoder: embedding, the layer stack (README "The architecture"), Block AttnRes readout,
+final norm, lm_head.
 
-Layers whose (mixer, FFN) pattern repeats with the layout period (``[KDA, KDA, KDA, MLA]`` for K3)
-are stacked into one parameter tree with a leading ``layers`` axis and run with ``jax.lax.scan``,
-so compile time does not grow with depth; the few layers outside the repeating run (the dense
-layer 0, the final MLA) are ordinary modules. ``model(tokens, ...)`` is the one forward function
+Layers whose (mixer, FFN) pattern repeats with the layout period are stacked into one parameter tree
+with a leading ``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with
+depth; the few layers outside the repeating run (the dense layer 0, the final MLA) are ordinary
+modules (``k3jax.layer_plan`` decides which, and maps layer indices to places in the model). ``model(tokens, ...)`` is the one forward function
 training and decoding share.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.cache import ModelCache, init_cache
 from k3jax.config import ModelConfig
+from k3jax.layer_plan import LayerKind, LayerPlan, layer_kind, plan_layers
 from k3jax.layers import attn_res
 from k3jax.layers.attn_res import AttnResMix
 from k3jax.layers.ffn import GatedFFN
@@ -31,50 +35,6 @@ from k3jax.vision.moonvit import MoonViT
 from k3jax.vision.projector import Projector
 from k3jax.vision.splice import splice_image_features
 
-LayerKind = tuple[str, str]  # (mixer, ffn), e.g. ("kda", "moe")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """Which layers run unrolled and which are stacked and scanned.
-
-    ``prefix`` layers run first, then ``num_groups`` repetitions of ``group_kinds`` starting at layer
-    ``group_start``, then the ``suffix`` layers.
-    """
-
-    prefix: tuple[int, ...]
-    group_start: int
-    group_kinds: tuple[LayerKind, ...]
-    num_groups: int
-    suffix: tuple[int, ...]
-
-
-def layer_kind(cfg: ModelConfig, i: int) -> LayerKind:
-    return (cfg.mixer(i), cfg.ffn(i))
-
-
-def plan_layers(cfg: ModelConfig) -> LayerPlan:
-    """Find the longest periodic run of layers after the dense prefix (period = ``mla_period`` for a
-    hybrid layout, 1 for a uniform one) and scan it."""
-    n = cfg.num_layers
-    if not cfg.scan_layers:
-        return LayerPlan(tuple(range(n)), n, (), 0, ())
-    period = cfg.mla_period if cfg.layout == "hybrid" or cfg.mla_layers is not None else 1
-    kinds = [layer_kind(cfg, i) for i in range(n)]
-    best = (0, n)  # (num_groups, start)
-    for start in range(cfg.first_dense_layers, min(cfg.first_dense_layers + period, n)):
-        pattern = kinds[start:start + period]
-        groups = 0
-        while start + (groups + 1) * period <= n and kinds[start + groups * period:start + (groups + 1) * period] == pattern:
-            groups += 1
-        if groups > best[0]:
-            best = (groups, start)
-    groups, start = best
-    if groups < 2:  # nothing worth scanning
-        return LayerPlan(tuple(range(n)), n, (), 0, ())
-    end = start + groups * period
-    return LayerPlan(tuple(range(start)), start, tuple(kinds[start:start + period]), groups, tuple(range(end, n)))
-
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Position of each token within its packed document. segment_ids ``[B, T]`` -> ``[B, T]``."""
@@ -82,6 +42,20 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
     starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class LayerStats(NamedTuple):
+    """What one layer's forward pass measures for the train step (None where it does not apply)."""
+
+    router: object  # Quantile Balancing statistics of an MoE layer (quantile_balancing.router_statistics)
+    max_logits: jax.Array | None  # [H] float32, an MLA layer's largest pre-softmax logit per head (QK-clip)
+
+
+class ForwardStats(NamedTuple):
+    """Statistics of one ``model.forward``, keyed by model layer index (ascending)."""
+
+    router: dict  # {layer: Quantile Balancing statistics} of every MoE layer with a router bias
+    max_logits: dict  # {layer: [H] float32} of every MLA layer, when asked for (``max_logits=True``)
 
 
 class DecoderLayer(nnx.Module):
@@ -100,15 +74,18 @@ class DecoderLayer(nnx.Module):
             self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
 
     def _mix(self, h, ctx: "_Context", cache):
+        """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
         with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.breakdown
             return self._mix_unscoped(h, ctx, cache)
 
     def _mix_unscoped(self, h, ctx: "_Context", cache):
         if self.kind[0] == "kda":
-            return self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
-                              token_valid=ctx.token_valid)
-        return self.mixer(self.attn_norm(h), positions=ctx.positions, segment_ids=ctx.segment_ids, cache=cache,
-                          cache_index=ctx.cache_index, kv_valid=ctx.kv_valid)
+            y, cache = self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
+                                  token_valid=ctx.token_valid)
+            return y, cache, None
+        out = self.mixer(self.attn_norm(h), positions=ctx.positions, segment_ids=ctx.segment_ids, cache=cache,
+                         cache_index=ctx.cache_index, kv_valid=ctx.kv_valid, max_logits=ctx.max_logits)
+        return out if ctx.max_logits else (*out, None)
 
     def _ffn(self, h, ctx: "_Context"):
         if self.kind[1] == "dense":
@@ -117,27 +94,28 @@ class DecoderLayer(nnx.Module):
         return self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
-        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on.
-        Returns (carry, router statistics or None, updated layer cache or None)."""
+        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on; layer_idx:
+        this layer's index (an int, traced inside the scan). Returns (carry, LayerStats, updated layer
+        cache or None)."""
         if not self.attn_res.enabled:
-            y, cache = self._mix(carry, ctx, cache)
+            y, cache, max_logits = self._mix(carry, ctx, cache)
             h = carry + y.astype(carry.dtype)
-            y, stats = self._ffn(h, ctx)
-            return h + y.astype(h.dtype), stats, cache
+            y, router = self._ffn(h, ctx)
+            return h + y.astype(h.dtype), LayerStats(router, max_logits), cache
         with jax.named_scope("attn_res"):
             h = self.attn_res_mix(carry)
-            state = attn_res.close_block(carry, layer_idx % self.attn_res.block_size == 0)
-        y, cache = self._mix(h, ctx, cache)
+            state = attn_res.close_block(carry, self.attn_res.closes_block(layer_idx))
+        y, cache, max_logits = self._mix(h, ctx, cache)
         with jax.named_scope("attn_res"):
             state = attn_res.add(state, y)
             h = self.ffn_res_mix(state)
-        y, stats = self._ffn(h, ctx)
+        y, router = self._ffn(h, ctx)
         with jax.named_scope("attn_res"):
-            return attn_res.add(state, y), stats, cache
+            return attn_res.add(state, y), LayerStats(router, max_logits), cache
 
 
 class LayerGroup(nnx.Module):
-    """One period of the repeating layout, e.g. ``[KDA, KDA, KDA, MLA]``; stacked for the scan."""
+    """One period of the repeating layout, e.g. ``[KDA, KDA, MLA, KDA]``; stacked for the scan."""
 
     def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
@@ -173,7 +151,11 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
     return jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
 
 
-class _Context(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["positions", "segment_ids", "token_valid", "cache_index", "kv_valid"],
+                   meta_fields=["max_logits"])
+@dataclasses.dataclass(frozen=True)
+class _Context:
     """Per-call inputs every layer sees (everything but the residual stream and the cache)."""
 
     positions: jax.Array  # [B, T]
@@ -181,6 +163,7 @@ class _Context(NamedTuple):
     token_valid: jax.Array | None  # [B, T] False = padding
     cache_index: jax.Array | None  # [] first cache slot written by this call
     kv_valid: jax.Array | None  # [B, S] valid cache slots after this call
+    max_logits: bool = False  # static: MLA layers also return their max logit per head (QK-clip)
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -242,8 +225,7 @@ class K3Model(nnx.Module):
     def _run_groups(self, carry, ctx: _Context, caches):
         plan, cfg = self.plan, self.cfg
         graphdef, stacked = nnx.split(self.groups)
-        period = len(plan.group_kinds)
-        starts = plan.group_start + period * jnp.arange(plan.num_groups, dtype=jnp.int32)
+        starts = plan.layer_at(jnp.arange(plan.num_groups, dtype=jnp.int32), 0)  # each group's first layer
 
         def body(carry, xs):
             state, first_layer, group_caches = xs
@@ -281,10 +263,12 @@ class K3Model(nnx.Module):
 
     def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None, cache: ModelCache | None = None,
-                token_valid: jax.Array | None = None,
-                images: VisionInputs | jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, dict]:
-        """Like ``__call__``, plus the Quantile Balancing statistics of every MoE layer, keyed by the
-        path of that layer's ``router_bias`` in the model (see ``quantile_balancing.apply``)."""
+                token_valid: jax.Array | None = None, images: VisionInputs | jax.Array | None = None,
+                max_logits: bool = False) -> tuple[jax.Array, ModelCache | None, ForwardStats]:
+        """Like ``__call__``, plus the statistics the train step uses (``ForwardStats``, keyed by layer
+        index): the Quantile Balancing statistics of every MoE layer (``quantile_balancing.apply``)
+        and, with ``max_logits=True`` (QK-clip, training only), every MLA layer's largest
+        pre-softmax logit per head over the batch."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
@@ -293,13 +277,17 @@ class K3Model(nnx.Module):
         for name, arr in (("segment_ids", segment_ids), ("positions", positions), ("token_valid", token_valid)):
             if arr is not None and arr.shape != tokens.shape:
                 raise ValueError(f"{name} shape {arr.shape} != tokens shape {tokens.shape}")
+        if max_logits and cache is not None:
+            raise ValueError("max_logits is a training statistic (expanded attention); it is not measured "
+                             "with a cache")
+        in_vocab = check_token_ids(tokens, cfg.vocab_size)
         if cache is None:
             if positions is None:
                 positions = (segment_positions(segment_ids) if segment_ids is not None
                              else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape))
             if token_valid is None and segment_ids is not None:
                 token_valid = segment_ids != 0
-            ctx = _Context(positions, segment_ids, token_valid, None, None)
+            ctx = _Context(positions, segment_ids, token_valid, None, None, max_logits)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids (document packing) is for training; with a cache mark left "
@@ -311,28 +299,32 @@ class K3Model(nnx.Module):
                 positions = jnp.maximum(cache.positions[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
             kv_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.length, axis=1)
             ctx = _Context(positions, None, valid, cache.length, kv_valid)
+        plan = self.plan
         layer_caches = cache if cache is not None else ModelCache(
-            (None,) * len(self.plan.prefix), None, (None,) * len(self.plan.suffix), None, None, None)
-        stats, new_prefix, new_suffix = {}, [], []
+            (None,) * len(plan.prefix), None, (None,) * len(plan.suffix), None, None, None)
+        stats, new_prefix, new_suffix = {}, [], []  # stats: {layer: LayerStats}
         with jax.named_scope("embedding"):
-            x = jnp.take(cast(self.embed, dt), tokens, axis=0)
+            # out-of-vocabulary ids (only possible under a trace) read row 0 or V-1, never NaN
+            x = jnp.take(cast(self.embed, dt), tokens, axis=0, mode="clip")
         if images is not None:
             with jax.named_scope("vision"):
                 features = self.encode_images(images) if isinstance(images, VisionInputs) else images
             x = splice_image_features(x, tokens, features, cfg.vision.media_pad_id)
-        carry = attn_res.init_state(x, cfg.num_attn_res_sources - 1) if cfg.attn_res.enabled else x
-        for j, (layer, i) in enumerate(zip(self.prefix, self.plan.prefix)):
-            carry, stats[("prefix", j, "ffn", "router_bias")], c = call_layer(layer, cfg.remat, carry, i, ctx,
-                                                                              layer_caches.prefix[j])
+        if cfg.attn_res.enabled:
+            carry = attn_res.init_state(x, cfg.attn_res.num_slots(cfg.num_layers))
+        else:
+            carry = x
+        for j, (layer, i) in enumerate(zip(self.prefix, plan.prefix)):
+            carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.prefix[j])
             new_prefix.append(c)
         new_groups = None
         if self.groups is not None:
             carry, (group_stats, new_groups) = self._run_groups(carry, ctx, layer_caches.groups)
-            for j, st in enumerate(group_stats):
-                stats[("groups", "layers", j, "ffn", "router_bias")] = st
-        for j, (layer, i) in enumerate(zip(self.suffix, self.plan.suffix)):
-            carry, stats[("suffix", j, "ffn", "router_bias")], c = call_layer(layer, cfg.remat, carry, i, ctx,
-                                                                              layer_caches.suffix[j])
+            for j, st in enumerate(group_stats):  # leaves [num_groups, ...]: one slice per layer
+                for g, i in enumerate(plan.slot_layers(j)):
+                    stats[i] = jax.tree.map(lambda x, g=g: x[g], st)
+        for j, (layer, i) in enumerate(zip(self.suffix, plan.suffix)):
+            carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.suffix[j])
             new_suffix.append(c)
         with jax.named_scope("attn_res"):
             h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
@@ -340,12 +332,45 @@ class K3Model(nnx.Module):
             h = self.final_norm(h)
             head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
             logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
+            if in_vocab is not None:  # the flag of a traced out-of-vocabulary id: NaN at its position only
+                logits = jnp.where(in_vocab[..., None], logits, jnp.nan)
         new_cache = None
         if cache is not None:
             new_cache = ModelCache(tuple(new_prefix), tuple(new_groups) if new_groups is not None else (),
                                    tuple(new_suffix), cache.length + t,
                                    cache.positions + jnp.sum(ctx.token_valid, axis=1, dtype=jnp.int32), ctx.kv_valid)
-        return logits, new_cache, {k: v for k, v in stats.items() if v is not None}
+        layers = sorted(stats)
+        return logits, new_cache, ForwardStats(
+            router={i: stats[i].router for i in layers if stats[i].router is not None},
+            max_logits={i: stats[i].max_logits for i in layers if stats[i].max_logits is not None})
+
+    def layer_modules(self) -> list[tuple[DecoderLayer, tuple[int, ...]]]:
+        """Every ``DecoderLayer`` module with the model layers it holds: one layer for an unrolled
+        module, one per group (axis 0 of its leaves) for a slot of the stacked groups."""
+        plan = self.plan
+        out = [(layer, (i,)) for layer, i in zip(self.prefix, plan.prefix)]
+        if self.groups is not None:
+            out += [(layer, plan.slot_layers(j)) for j, layer in enumerate(self.groups.layers)]
+        return out + [(layer, (i,)) for layer, i in zip(self.suffix, plan.suffix)]
+
+
+def check_token_ids(tokens: jax.Array, vocab_size: int) -> jax.Array | None:
+    """Token ids must lie in ``[0, vocab_size)``: an id outside would read no embedding row (``jnp.take``
+    fills NaN, which the mixers spread over the whole row; -1 would wrap to the last token).
+
+    Concrete ids (eager calls) are checked here: a ValueError names the first bad id and its position.
+    Traced ids (under ``jit``) cannot raise: returns the ``[B, T]`` in-range mask, with which the model
+    clamps the embedding lookup and sets the logits of exactly those positions to NaN (a loss over them
+    is NaN, so the train step's NaN guard skips the update). None when the ids are concrete."""
+    if isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "is_fully_addressable", True):
+        return (tokens >= 0) & (tokens < vocab_size)
+    ids = np.asarray(tokens)
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        b, t = (int(v) for v in bad[0])
+        raise ValueError(f"token id {int(ids[b, t])} at position (row {b}, column {t}) is outside the vocabulary "
+                         f"[0, {vocab_size}) ({len(bad)} such ids)")
+    return None
 
 
 def _no_eager_sharding():
@@ -366,4 +391,5 @@ def abstract_model(cfg: ModelConfig) -> K3Model:
         return K3Model(cfg, rngs=nnx.Rngs(0))
 
 
-__all__ = ["K3Model", "LayerPlan", "abstract_model", "create_model", "plan_layers", "segment_positions"]
+__all__ = ["ForwardStats", "K3Model", "LayerPlan", "LayerStats", "abstract_model", "check_token_ids", "create_model",
+           "plan_layers", "segment_positions"]

@@ -1,4 +1,4 @@
-"""The optimizer of SPEC §6: per-head Muon for matrices, AdamW for the rest, LR schedules, QK-clip.
+"""The optimizer (README "The architecture"): per-head Muon for matrices, AdamW for the rest, LR schedules, QK-clip.
 
 Parameter groups (decided from each ``nnx.Param``'s logical axis names, its ``out_sharding``
 metadata, plus a few leaf names; ``layers`` is always a batch axis):
@@ -46,7 +46,8 @@ and the embedding / lm_head; never norms, biases, gate constants, conv filters o
 queries/gains.
 
 The transform has the structure of ``optax.contrib.muon`` (a ``partition`` into a Muon chain and
-AdamW) and uses optax's ``MuonDimensionNumbers`` and ``scale_by_shape``. Two parts are our own:
+AdamW) and uses optax's ``MuonDimensionNumbers``; the consistent-RMS scaling is optax's
+``scale_by_shape`` rule, written here on public API (:func:`scale_by_consistent_rms`). Two parts are our own:
 the AdamW side gets a weight-decay mask, plain AdamW and its own epsilon; and Newton-Schulz runs
 *grouped* (:func:`scale_by_grouped_muon`, same maths as ``optax.contrib.scale_by_muon``): blocks of
 equal shape from different parameters are iterated as one batch (one batched NS per block shape, not
@@ -66,9 +67,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
-from optax.contrib._muon import _compute_muon_reshape, _normalize_axes, scale_by_shape
 
 from k3jax.config import OptimConfig
+from k3jax.layer_plan import LayerPlan
 
 MDN = MuonDimensionNumbers
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -223,15 +224,6 @@ def _decays(path: Path, dim_num: MDN | None) -> bool:
     return dim_num is not None or (bool(path) and path[-1] in ("embed", "lm_head"))
 
 
-def weight_decay_mask(model_or_state, *, per_head: bool = True) -> nnx.State:
-    """True where decoupled weight decay applies (tree like ``nnx.state(model, nnx.Param)``)."""
-    items = []
-    for path, var in _flat_params(model_or_state):
-        dn = classify(path, _axes_of(var), len(_shape_of(var)), per_head=per_head)
-        items.append((path, _decays(path, dn)))
-    return _unflatten(items)
-
-
 def group_table(model_or_state, *, per_head: bool = True) -> dict[Path, tuple[str, MDN | None, bool]]:
     """``{path: (group, dimension numbers, decayed)}`` for logging and tests."""
     out = {}
@@ -324,7 +316,7 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
 
     blocks, meta = [], []
     for x, dn in zip(xs, dim_nums):
-        view_fn, inverse_fn = (_compute_muon_reshape if x.size <= group_max_size else _batched_view)(x, dn)
+        view_fn, inverse_fn = _block_view(x, dn, merge_batch=x.size <= group_max_size)
         x3 = view_fn(x)  # [batch (one axis, or the original batch axes), reduction, output]
         transposed = x3.shape[-2] > x3.shape[-1]
         if transposed:
@@ -355,17 +347,44 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
     return result
 
 
-def _batched_view(x: jax.Array, dn: MDN):
-    """``(view_fn, inverse_fn)``: ``x`` as ``[*batch axes, reduction, output]`` (the reduction and
-    output axes merged, the batch axes kept as they are), and back."""
-    red, out = _normalize_axes(x, dn)
+def _normalized_axes(ndim: int, dn: MDN) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(reduction axes, output axes) of dimension numbers as tuples of non-negative ints."""
+    def norm(a):
+        return tuple(i % ndim for i in ((a,) if isinstance(a, int) else a))
+    return norm(dn.reduction_axis), norm(dn.output_axis)
+
+
+def _block_view(x: jax.Array, dn: MDN, *, merge_batch: bool):
+    """``(view_fn, inverse_fn)``: ``x`` as ``[batch, reduction, output]`` with the reduction and output
+    axes merged and the batch axes (those in neither) merged into one when ``merge_batch`` (the layout
+    of ``optax.contrib``'s Muon), kept as they are otherwise; and back."""
+    red, out = _normalized_axes(x.ndim, dn)
     batch = tuple(i for i in range(x.ndim) if i not in red + out)
     perm = batch + red + out
-    shape = tuple(x.shape[i] for i in batch) + (math.prod(x.shape[i] for i in red),
-                                                 math.prod(x.shape[i] for i in out))
+    batch_shape = tuple(x.shape[i] for i in batch)
+    shape = ((math.prod(batch_shape),) if merge_batch else batch_shape) + (
+        math.prod(x.shape[i] for i in red), math.prod(x.shape[i] for i in out))
     unflat = tuple(x.shape[i] for i in perm)
     inverse = tuple(sorted(range(x.ndim), key=lambda i: perm[i]))
     return (lambda v: v.transpose(perm).reshape(shape)), (lambda v: v.reshape(unflat).transpose(inverse))
+
+
+def scale_by_consistent_rms(dim_nums: Callable[[Any], Any], rms: float) -> optax.GradientTransformation:
+    """Scale each orthogonalised update by ``rms * sqrt(max(fan_in, fan_out))`` of its blocks (fan_in =
+    the reduction axes' size, fan_out = the output axes'): an update RMS of ``rms`` whatever the
+    shape, as ``optax.contrib.scale_by_shape(consistent_rms=rms)``. ``dim_nums(updates)`` as in
+    :func:`scale_by_grouped_muon`."""
+
+    def scale(u, dn):
+        red, out = _normalized_axes(u.ndim, dn)
+        fan_in, fan_out = math.prod(u.shape[i] for i in red), math.prod(u.shape[i] for i in out)
+        return jnp.sqrt(jnp.maximum(fan_in, fan_out)) * rms * u
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(scale, updates, dim_nums(updates), is_leaf=lambda x: isinstance(x, MDN)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def _drop_leading_axis(dn: MDN) -> MDN:
@@ -462,7 +481,7 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
         return jax.tree_util.tree_map_with_path(_path_lookup(dims_t, "dimension numbers"), updates)
 
     def stacked(updates):  # the scanned layer groups' weights: axis 0 is the group
-        return jax.tree_util.tree_map_with_path(lambda path, _: normalize_path(path)[0] == "groups", updates)
+        return jax.tree_util.tree_map_with_path(lambda path, _: LayerPlan.is_stacked(normalize_path(path)), updates)
 
     def adam_decay_mask(params):
         return jax.tree_util.tree_map_with_path(_path_lookup(decay_t, "decay mask"), params)
@@ -474,7 +493,7 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
         scale_by_grouped_muon(dim_nums, beta=cfg.muon_beta, ns_steps=cfg.ns_steps, nesterov=True,
                               mu_dtype=None if cfg.muon_dtype == "float32" else jnp.dtype(cfg.muon_dtype),
                               stacked=stacked),
-        scale_by_shape(weight_dimension_numbers=dim_nums, consistent_rms=CONSISTENT_RMS),
+        scale_by_consistent_rms(dim_nums, CONSISTENT_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(muon_lr),
     )
@@ -520,37 +539,33 @@ def qk_clip_mla(q_b: jax.Array, kv_b: jax.Array, max_logits: jax.Array, tau: flo
     return q_new, kv_new
 
 
-def qk_clip(model: nnx.Module, max_logits: dict[Path, jax.Array], tau: float) -> None:
-    """Apply :func:`qk_clip_mla` in place to the MLA layers of ``model``.
+def qk_clip(model: nnx.Module, max_logits: dict[int, jax.Array], tau: float) -> None:
+    """Apply :func:`qk_clip_mla` in place to the MLA layers of ``model`` (a ``K3Model``).
 
-    max_logits: ``{path of the MLA module: [H] or [L, H] (scanned layers)}``, e.g.
-    ``{("suffix", 2, "mixer"): ..., ("groups", "layers", 3, "mixer"): ...}``. ``tau <= 0`` is a
-    no-op. Works under ``nnx.jit`` (pure array math on the Variables).
+    max_logits: ``{layer index: [H]}``, each MLA layer's largest pre-softmax logit per head in this
+    step's forward pass (``model.forward(..., max_logits=True)``: ``ForwardStats.max_logits``).
+    ``tau <= 0`` is a no-op. Pure array math on the Variables: works under ``jit``.
     """
     if tau <= 0:
         return
-    modules = dict(nnx.iter_graph(model))
-    for path, logits in max_logits.items():
-        key = normalize_path(path)
-        mla = modules.get(key)
-        if mla is None or not hasattr(mla, "kv_b"):
-            raise KeyError(f"qk_clip: no MLA module at {'/'.join(map(str, key))}")
+    unused = set(max_logits)
+    for layer, layers in model.layer_modules():
+        if not unused & set(layers):
+            continue
+        if not hasattr(layer.mixer, "kv_b"):
+            raise KeyError(f"qk_clip: layer {layers[0]} is not an MLA layer")
+        unused -= set(layers)
+        mla = layer.mixer
+        stacked = mla.kv_b[...].ndim == 4  # a slot of the scanned groups: [G, r, H, nope + v]
+        logits = jnp.stack([max_logits[i] for i in layers]) if stacked else max_logits[layers[0]]
         q_var = mla.q_b if hasattr(mla, "q_b") else mla.q_proj
-        q_new, kv_new = qk_clip_mla(q_var[...], mla.kv_b[...], logits, tau,
-                                    qk_nope_head_dim=mla.cfg.qk_nope_head_dim)
+        q_new, kv_new = qk_clip_mla(q_var[...], mla.kv_b[...], logits, tau, qk_nope_head_dim=mla.cfg.qk_nope_head_dim)
         q_var[...] = q_new
         mla.kv_b[...] = kv_new
+    if unused:
+        raise KeyError(f"qk_clip: no layers {sorted(unused)} in this model")
 
 
-def describe_groups(model_or_state, *, per_head: bool = True) -> str:
-    """A readable table of the parameter groups (one line per distinct rule), for logs."""
-    rows = []
-    for path, (group, dn, decay) in group_table(model_or_state, per_head=per_head).items():
-        spec = "" if dn is None else f" red={dn.reduction_axis} out={dn.output_axis}"
-        rows.append(f"{'/'.join(map(str, path))}: {group}{spec}{' wd' if decay else ''}")
-    return "\n".join(rows)
-
-
-__all__ = ["MDN", "classify", "describe_groups", "group_table", "learning_rate_schedule", "make_optimizer",
+__all__ = ["MDN", "classify", "group_table", "learning_rate_schedule", "make_optimizer",
            "muon_dimension_numbers", "normalize_path", "param_group", "qk_clip", "qk_clip_gamma", "qk_clip_mla",
-           "weight_decay_mask"]
+           "scale_by_consistent_rms", "scale_by_grouped_muon"]

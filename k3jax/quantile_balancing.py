@@ -1,4 +1,4 @@
-"""Quantile Balancing (SPEC §5): the router bias is *replaced* after every optimizer step.
+"""Quantile Balancing (README "The architecture", docs/design.md): the router bias is *replaced* after every optimizer step.
 
 With raw sigmoid scores ``s [m, n]`` (m real tokens, n experts, top-k) and the bias ``b`` the forward
 pass routed with, ``alpha_i`` is the (k+1)-th largest of ``s_i + b``. The new bias is
@@ -108,16 +108,21 @@ def load_imbalance(stats: ExactStats | HistogramStats) -> jax.Array:
     return jnp.max(stats.load, axis=-1) / jnp.maximum(jnp.mean(stats.load, axis=-1), 1e-9)
 
 
-def apply(model, stats: dict, top_k: int) -> None:
-    """Replace every router bias of ``model`` in place from the statistics ``model.forward``
-    returned (keyed by the bias's path; stacked layers carry a leading group axis)."""
-    from flax import nnx  # local: keep this module importable without the model
+def update_bias(bias, stats: list, top_k: int) -> None:
+    """Replace one router bias Variable in place: ``[n]`` from one layer's statistics, or ``[G, n]``
+    (a stacked slot of the scanned groups) from one statistics entry per group, in group order."""
+    if bias[...].ndim == 1:
+        (st,) = stats
+        bias[...] = new_bias(st, top_k).astype(bias[...].dtype)
+        return
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+    bias[...] = jax.vmap(new_bias, in_axes=(0, None))(stacked, top_k).astype(bias[...].dtype)
 
-    for path, var in nnx.iter_graph(model):
-        st = stats.get(tuple(path))
-        if st is None or not isinstance(var, nnx.Variable):
-            continue
-        update = new_bias
-        for _ in range(var[...].ndim - 1):  # stacked (scanned) layers
-            update = jax.vmap(update, in_axes=(0, None))
-        var[...] = update(st, top_k).astype(var[...].dtype)
+
+def apply(model, stats: dict, top_k: int) -> None:
+    """Replace every router bias of ``model`` (a ``K3Model``) in place from the statistics
+    ``model.forward`` returned, ``{layer index: statistics}`` (``ForwardStats.router``)."""
+    for layer, layers in model.layer_modules():
+        bias = getattr(layer.ffn, "router_bias", None)
+        if bias is not None and layers[0] in stats:
+            update_bias(bias, [stats[i] for i in layers], top_k)

@@ -15,8 +15,8 @@ from flax import nnx
 from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
-from k3jax.model import K3Model, LayerPlan, abstract_model, create_model
-from k3jax.optim import make_optimizer
+from k3jax.model import ForwardStats, K3Model, LayerPlan, abstract_model, create_model
+from k3jax.optim import make_optimizer, qk_clip
 from k3jax.sharding import state_shardings
 
 
@@ -97,36 +97,26 @@ def _micro_batches(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _merge_stacked_stats(stats: dict) -> dict:
-    """Pool Quantile Balancing statistics of stacked micro-batches (leading axis)."""
+def _pool_micro_batches(stats: ForwardStats) -> ForwardStats:
+    """Pool the statistics of micro-batches stacked along a leading axis ``A``: router statistics
+    merge (``[A, N, E]`` margins -> ``[A*N, E]``, counts add), max logits take the max."""
     def pool(st):
         if isinstance(st, qb.ExactStats):
-            m = st.margins  # [A, ..., N, E] -> [..., A*N, E]
-            m = jnp.moveaxis(m, 0, -3)
-            return qb.ExactStats(m.reshape(m.shape[:-3] + (-1, m.shape[-1])), jnp.sum(st.num_tokens, 0),
+            return qb.ExactStats(st.margins.reshape((-1, st.margins.shape[-1])), jnp.sum(st.num_tokens, 0),
                                  jnp.sum(st.load, 0))
         return qb.HistogramStats(jnp.sum(st.counts, 0), jnp.sum(st.num_tokens, 0), st.low[0], st.high[0],
                                  jnp.sum(st.load, 0))
 
-    return {k: pool(v) for k, v in stats.items()}
+    return ForwardStats(router={i: pool(st) for i, st in stats.router.items()},
+                        max_logits={i: jnp.max(m, axis=0) for i, m in stats.max_logits.items()})
 
 
-def _stats_layers(plan: LayerPlan, key: tuple) -> list[int]:
-    """Layer indices of a statistics entry (a stacked entry covers one layer per scanned group)."""
-    if key[0] == "groups":
-        period = len(plan.group_kinds)
-        return [plan.group_start + g * period + key[2] for g in range(plan.num_groups)]
-    return [(plan.prefix if key[0] == "prefix" else plan.suffix)[key[1]]]
-
-
-def expert_imbalance(stats: dict, plan: LayerPlan) -> jax.Array:
+def expert_imbalance(router_stats: dict) -> jax.Array:
     """Max/mean expert load ``[L]`` of each MoE layer, in ascending layer order (the layers of
-    :func:`expert_imbalance_layers`), from ``model.forward``'s statistics."""
-    entries = []
-    for key, st in stats.items():
-        entries += zip(_stats_layers(plan, key), jnp.atleast_1d(qb.load_imbalance(st)))
-    entries.sort(key=lambda e: e[0])
-    return jnp.stack([v for _, v in entries]) if entries else jnp.zeros((0,), jnp.float32)
+    :func:`expert_imbalance_layers`), from ``model.forward``'s ``ForwardStats.router``."""
+    if not router_stats:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.stack([qb.load_imbalance(router_stats[i]) for i in sorted(router_stats)])
 
 
 def expert_imbalance_layers(plan: LayerPlan, cfg: ModelConfig) -> list[int]:
@@ -149,11 +139,12 @@ def make_train_step(graphdef, cfg: Config):
     """
     accum, z_loss = cfg.train.grad_accum, cfg.train.z_loss
     top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
+    tau = cfg.train.optim.qk_clip_tau  # > 0: QK-clip of the MLA heads after every update
 
     def micro_loss(params, rest, model_def, mb):
         model = nnx.merge(model_def, params, rest)
         logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
-                                         images=vision_batch(mb))
+                                         images=vision_batch(mb), max_logits=tau > 0)
         with jax.named_scope("lm_head_loss"):
             total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
         return total, (count, nll, stats)
@@ -172,7 +163,7 @@ def make_train_step(graphdef, cfg: Config):
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0), _micro_batches(batch, accum))
-        stats = _merge_stacked_stats(stats)
+        stats = _pool_micro_batches(stats)
         grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
         loss = nll / jnp.maximum(count, 1.0)
         grad_norm = optax.global_norm(grads)
@@ -184,7 +175,10 @@ def make_train_step(graphdef, cfg: Config):
                 ts_.optimizer.update(ts_.model, grads)
             if balancing == "quantile":
                 with jax.named_scope("quantile_balancing"):
-                    qb.apply(ts_.model, stats, top_k)
+                    qb.apply(ts_.model, stats.router, top_k)
+            if tau > 0:
+                with jax.named_scope("optimizer"):
+                    qk_clip(ts_.model, stats.max_logits, tau)
             return nnx.state(ts_)
 
         def skip(ts_state):
@@ -194,7 +188,7 @@ def make_train_step(graphdef, cfg: Config):
 
         new_state = jax.lax.cond(finite, apply, skip, nnx.state(ts))
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite,
-                   "expert_imbalance": expert_imbalance(stats, ts.model.plan)}
+                   "expert_imbalance": expert_imbalance(stats.router)}
         return new_state, metrics
 
     return step

@@ -189,9 +189,8 @@ def randomize_attn_res(model, seed=0):
         for layer, i in zip(layers, ids):
             for side in ("attn_res_mix", "ffn_res_mix"):
                 put(getattr(layer, side), *draw[(i, side)])
-    period = len(plan.group_kinds)
-    for pos in range(period if model.groups is not None else 0):
-        ids = [plan.group_start + g * period + pos for g in range(plan.num_groups)]
+    for pos in range(plan.period if model.groups is not None else 0):
+        ids = plan.slot_layers(pos)
         for side in ("attn_res_mix", "ffn_res_mix"):
             put(getattr(model.groups.layers[pos], side), np.stack([draw[(i, side)][0] for i in ids]),
                 np.stack([draw[(i, side)][1] for i in ids]))

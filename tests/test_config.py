@@ -10,10 +10,16 @@ from k3jax.config import (
     CONFIG_DIR,
     Config,
     ConfigError,
+    KDAConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
     from_dict,
     load_config,
     parse_overrides,
+    runtime_fields,
     to_dict,
+    without_runtime_fields,
 )
 
 NAMED = ("k3", "k2", "kimi_linear_48b", "tiny", "small")
@@ -67,7 +73,8 @@ def test_k3_values_match_spec_table():
         96, 1536, 512, 128, 64, 128)
     assert c.rope == "none" and c.output_gate and c.norm_eps == 1e-6
     assert m.attn_res.enabled and m.attn_res.block_size == 12
-    assert m.num_attn_res_sources == 9  # SPEC §4: 9 sources at the final readout
+    assert m.attn_res.num_slots(m.num_layers) + 1 == 9  # 9 sources at the final readout: 8 bank rows + partial
+    assert [i for i in range(m.num_layers) if m.attn_res.closes_block(i)] == list(range(0, 93, 12))
     assert m.max_seq_len == 1_048_576
 
 
@@ -222,6 +229,31 @@ def test_bad_values_name_the_field(override, field, pattern):
     msg = _error("tiny", [override])
     assert msg.startswith(f"{field}:"), msg
     assert re.search(pattern, msg), msg
+
+
+def test_choices_come_from_the_literal_annotations():
+    """Configs built in Python (no YAML, no overrides) are checked against the same ``Literal``
+    annotations, with the field's path and the allowed values in the message."""
+    with pytest.raises(ConfigError, match=r"^model\.kda\.gate: must be one of \['lower_bound', 'softplus'\], "
+                                          r"got 'sigmoid'$"):
+        ModelConfig(kda=KDAConfig(gate="sigmoid")).validate()
+    with pytest.raises(ConfigError, match=r"^train\.optim\.schedule: must be one of \['cosine', 'wsd', 'constant'\]"):
+        TrainConfig(optim=OptimConfig(schedule="linear")).validate()
+    with pytest.raises(ConfigError, match=r"^model\.remat: must be one of"):
+        ModelConfig(remat="some").validate()
+
+
+def test_runtime_fields_are_marked_on_the_fields():
+    """One mark says which fields may differ between a checkpoint and the config that reads or resumes
+    it (checkpoint.py) and which an HF round trip ignores (interop/hf_config.py)."""
+    assert runtime_fields(ModelConfig) == {"remat", "kda_impl", "moe_impl", "max_seq_len", "init_std"}
+    assert runtime_fields(TrainConfig) == {"steps", "log_every", "eval_every", "checkpoint_every",
+                                           "keep_checkpoints", "out_dir"}
+    base = load_config("tiny")
+    same = load_config("tiny", ["model.remat=full", "model.kda.chunk_size=16", "model.moe.ep_dispatch=all_to_all",
+                                "train.steps=7", "mesh.data=2"])
+    assert without_runtime_fields(base) == without_runtime_fields(same)
+    assert without_runtime_fields(base) != without_runtime_fields(load_config("tiny", ["model.kda.conv_size=2"]))
 
 
 def test_unknown_config_name_lists_the_named_ones():

@@ -370,14 +370,14 @@ def test_qk_clip_in_place_on_model():
     mla = model.prefix[3].mixer
     q0, kv0 = np.asarray(mla.q_b[...]), np.asarray(mla.kv_b[...])
     logits = jnp.asarray([10.0, 200.0, 50.0, 400.0])
-    optim.qk_clip(model, {("prefix", 3, "mixer"): logits}, tau=100.0)
+    optim.qk_clip(model, {3: logits}, tau=100.0)
     q_ref, kv_ref = optim.qk_clip_mla(jnp.asarray(q0), jnp.asarray(kv0), logits, 100.0,
                                       qk_nope_head_dim=cfg.mla.qk_nope_head_dim)
     np.testing.assert_allclose(mla.q_b[...], q_ref)
     np.testing.assert_allclose(mla.kv_b[...], kv_ref)
     np.testing.assert_array_equal(np.asarray(mla.q_b[...])[:, 0], q0[:, 0])  # head 0 below tau
     with pytest.raises(KeyError):
-        optim.qk_clip(model, {("prefix", 0, "mixer"): logits}, tau=100.0)  # a KDA layer
+        optim.qk_clip(model, {0: logits}, tau=100.0)  # a KDA layer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,21 +108,32 @@ def test_skewed_router_converges_to_balanced_within_a_few_steps(method):
     assert max(history[4:]) < 1.2, history  # the rest is sampling noise of fresh tokens (~1.1)
 
 
-def test_apply_on_stacked_biases():
-    """``apply`` finds biases by path and vmaps over a stacked (scanned) layer axis."""
-    from flax import nnx
-
+def test_update_bias_of_stacked_layers():
+    """``update_bias`` stacks one statistics entry per scanned group and vmaps the rule over them."""
     from k3jax.layers.initializers import RouterBias
 
-    class Holder(nnx.Module):
-        def __init__(self):
-            self.bias = RouterBias(jnp.zeros((3, 8), jnp.float32))  # 3 stacked layers
-
-    h = Holder()
+    bias = RouterBias(jnp.zeros((3, 8), jnp.float32))  # a slot of 3 scanned groups
     rng = np.random.default_rng(5)
     per_layer = [_route_stats(rng.normal(size=(64, 8)).astype(np.float32), np.zeros(8, np.float32), 2)[1]
                  for _ in range(3)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-    np.testing.assert_allclose(qb.load_imbalance(stacked), [qb.load_imbalance(s) for s in per_layer], rtol=1e-6)
-    qb.apply(h, {("bias",): stacked}, 2)
-    np.testing.assert_allclose(h.bias[...], np.stack([qb.new_bias(s, 2) for s in per_layer]), atol=1e-7)
+    qb.update_bias(bias, per_layer, 2)
+    np.testing.assert_allclose(bias[...], np.stack([qb.new_bias(s, 2) for s in per_layer]), atol=1e-7)
+
+
+def test_apply_keys_statistics_by_layer():
+    """``model.forward`` keys the statistics by layer index and ``apply`` puts each layer's new bias
+    where the layer plan keeps it (unrolled layers and stacked slices of the scanned groups)."""
+    from k3jax import create_model, load_config
+
+    model = create_model(load_config("tiny").model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    _, _, stats = model.forward(tokens)
+    assert sorted(stats.router) == [i for i in range(model.cfg.num_layers) if model.cfg.ffn(i) == "moe"]
+    top_k = model.cfg.moe.top_k
+    qb.apply(model, stats.router, top_k)
+    for i in stats.router:
+        path, index = model.plan.locate(i)
+        layer = model
+        for p in path:
+            layer = layer[p] if isinstance(p, int) else getattr(layer, p)
+        np.testing.assert_allclose(layer.ffn.router_bias[...][index], qb.new_bias(stats.router[i], top_k), atol=1e-7)

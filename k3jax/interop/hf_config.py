@@ -22,7 +22,7 @@ import math
 import warnings
 from typing import Any
 
-from k3jax.config import ModelConfig, from_dict, parse_overrides, to_dict
+from k3jax.config import ModelConfig, from_dict, parse_overrides, without_runtime_fields
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2")
 # MLA's q_a_layernorm / kv_a_layernorm: the HF modeling code (kimi_linear, deepseek_v3, K3's
@@ -530,17 +530,23 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "kimi_k3", *, mxfp4: bool =
     return {**out, **extra}
 
 
+# Model fields an HF config does not carry (besides the runtime fields of k3jax.config): how the weights
+# are laid out and stored, and the training-time rule of the router bias.
+_NOT_IN_HF = ("scan_layers", "dtype", "param_dtype")
+_MOE_NOT_IN_HF = ("balancing", "qb_method", "qb_bins", "router_dtype")
+
+
 def runtime_fields_equal(a: ModelConfig, b: ModelConfig) -> bool:
-    """Whether two configs describe the same maths (ignoring compile/runtime-only fields)."""
+    """Whether two configs describe the same maths: equal but for runtime fields
+    (``k3jax.config.runtime_fields``), fields an HF config does not carry and the spelling of the layout."""
     def strip(c: ModelConfig) -> dict:
-        d = to_dict(c)
-        for k in ("scan_layers", "remat", "dtype", "param_dtype", "max_seq_len", "init_std"):
-            d.pop(k, None)
+        d = without_runtime_fields(c)
+        for k in _NOT_IN_HF:  # checkpoint layout and precision: a choice of the loader (config_from_hf)
+            d.pop(k)
         d["mixers"] = [c.mixer(i) for i in range(c.num_layers)]  # the layout, however it is spelled
         for k in ("layout", "mla_period", "last_layer_mla", "mla_layers"):
             d.pop(k)
-        d["kda"].pop("chunk_size", None)
-        d["moe"] = {k: v for k, v in d["moe"].items() if k not in ("balancing", "qb_method", "qb_bins", "router_dtype")}
+        d["moe"] = {k: v for k, v in d["moe"].items() if k not in _MOE_NOT_IN_HF}
         if not c.uses("kda"):
             d.pop("kda")
         if not c.uses("mla"):

@@ -35,6 +35,7 @@ from k3jax.config import ModelConfig
 from k3jax.interop import mxfp4
 from k3jax.interop.hf_config import HFInfo, check_exportable, config_from_hf, config_to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile, TensorSpec, parse_size, write_file
+from k3jax.layer_plan import LayerPlan
 from k3jax.model import K3Model, abstract_model
 from k3jax.sharding import DEFAULT_RULES, logical_to_spec
 from k3jax.vision.weights import export_vision, is_vision_tensor, load_vision, official_names
@@ -72,26 +73,14 @@ def _family(model_type: str) -> str:
     return "deepseek" if model_type in ("deepseek_v3", "kimi_k2") else "kimi"
 
 
-def _locate(plan, i: int) -> tuple[Path, tuple[int, ...]]:
-    """Where layer ``i`` lives: (module path, leading index into its leaves)."""
-    if i in plan.prefix:
-        return ("prefix", plan.prefix.index(i)), ()
-    if i in plan.suffix:
-        return ("suffix", plan.suffix.index(i)), ()
-    period = len(plan.group_kinds)
-    g, s = divmod(i - plan.group_start, period)
-    assert 0 <= g < plan.num_groups, (i, plan)
-    return ("groups", "layers", s), (g,)
-
-
-def bindings(cfg: ModelConfig, plan, model_type: str, prefix: str = "") -> list[Binding]:
+def bindings(cfg: ModelConfig, plan: LayerPlan, model_type: str, prefix: str = "") -> list[Binding]:
     """Every HF tensor of ``model_type``'s layout for a model with config ``cfg``, in file order."""
     fam = _family(model_type)
     out: list[Binding] = []
     top = prefix + "model."
     out.append(Binding(top + "embed_tokens.weight", ("embed",), (), SAME))
     for i in range(cfg.num_layers):
-        base, idx = _locate(plan, i)
+        base, idx = plan.locate(i)
         L = f"{top}layers.{i}."
 
         def b(name, sub, kind, extra=(), **kw):

@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention (SPEC §3): DeepSeek-V2 MLA, optionally NoPE (K3, Kimi Linear)
+"""Gated multi-head latent attention: DeepSeek-V2 MLA, optionally NoPE (K3, Kimi Linear)
 or RoPE + YaRN (K2), with K3's sigmoid output gate taken from the layer input."""
 
 import jax
@@ -9,7 +9,7 @@ from k3jax.cache import MLACache
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, normal
 from k3jax.layers.norm import RMSNorm
-from k3jax.ops.attention import chunked_attention
+from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
 from k3jax.parallel import sequence as seq_parallel
 
@@ -64,13 +64,16 @@ class MLA(nnx.Module):
         return jnp.einsum("bthv,hvd->btd", o.astype(dt), cast(self.o_proj, dt))
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: MLACache | None = None, cache_index=None, kv_valid: jax.Array | None = None
-                 ) -> tuple[jax.Array, MLACache | None]:
+                 cache: MLACache | None = None, cache_index=None, kv_valid: jax.Array | None = None,
+                 max_logits: bool = False) -> tuple[jax.Array, MLACache | None]:
         """x ``[B, T, d]``, positions ``[B, T]`` -> (``[B, T, d]``, updated cache or None).
 
         Without a cache: expanded MLA over the T tokens (training, plain prefill). With a cache: the
         new tokens' latent and rope key are written at slots ``[cache_index, cache_index + T)`` and
         the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form.
+
+        ``max_logits=True`` (no cache; QK-clip) appends a third output: each head's largest
+        pre-softmax logit over the batch ``[H]`` float32 (:func:`head_max_logits`).
         """
         c, dt = self.cfg, self.dtype
         b, t, _ = x.shape
@@ -89,7 +92,14 @@ class MLA(nnx.Module):
             else:
                 index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
                 o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
-            return self._gate_and_project(x, o), None
+            y = self._gate_and_project(x, o)
+            if not max_logits:
+                return y, None
+            k, _ = self._expand(kv_latent, kv_b)
+            index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            return y, None, head_max_logits(q, k, index, segment_ids, self.softmax_scale)
+        if max_logits:
+            raise ValueError("max_logits is measured in the expanded (training) form, without a cache")
         ckv_all = jax.lax.dynamic_update_slice_in_dim(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index, axis=1)
         k_rope_all = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype),
                                                          cache_index, axis=1)
@@ -103,14 +113,19 @@ class MLA(nnx.Module):
         positions ``q_index [B, T]`` / ``kv_index [B, S]`` (causal mask), segment ids ``[B, T]`` /
         ``[B, S]`` or None, kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``.
         """
+        k, v = self._expand(kv_latent, kv_b)
+        # query/key blocks beyond attention.Q_CHUNK / KV_CHUNK tokens: bounded memory for long prompts
+        return chunked_attention(q, k, v, q_index, kv_index, q_segment_ids=q_segment_ids,
+                                 kv_segment_ids=kv_segment_ids, scale=self.softmax_scale)
+
+    def _expand(self, kv_latent, kv_b):
+        """kv_latent ``[B, S, r + R]``, kv_b ``[r, H, nope + v]`` -> per-head keys ``[B, S, H, nope + R]``
+        (the shared rope key copied to every head) and values ``[B, S, H, v]``."""
         c = self.cfg
         ckv, k_rope = kv_latent[..., : c.kv_lora_rank], kv_latent[..., None, c.kv_lora_rank:]  # k_rope [B, S, 1, R]
         kv = jnp.einsum("bsr,rhp->bshp", ckv, kv_b)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
-        # query/key blocks beyond attention.Q_CHUNK / KV_CHUNK tokens: bounded memory for long prompts
-        return chunked_attention(q, k, v, q_index, kv_index, q_segment_ids=q_segment_ids,
-                                 kv_segment_ids=kv_segment_ids, scale=self.softmax_scale)
+        return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1), v
 
     def absorbed_attention(self, q_nope, q_rope, ckv, k_rope, kv_b, cache_index, kv_valid):
         """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
@@ -130,3 +145,41 @@ class MLA(nnx.Module):
         o_lat = chunked_attention(q, k, ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
                                   scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+
+
+def head_max_logits(q: jax.Array, k: jax.Array, index: jax.Array, segment_ids: jax.Array | None, scale: float,
+                    *, q_chunk: int = Q_CHUNK, kv_chunk: int = KV_CHUNK) -> jax.Array:
+    """Each head's largest pre-softmax logit ``scale * q.k`` over every (query, key) pair the attention
+    lets see each other, over the whole batch: q, k ``[B, T, H, P]``, index ``[B, T]`` positions
+    (causal), segment_ids ``[B, T]`` or None -> ``[H]`` float32 (no gradient).
+
+    Kimi K2's QK-clip statistic. It is computed next to the attention from the same q and k (XLA
+    shares the key expansion), block by block like ``chunked_attention`` so that no ``[B, H, T, T]``
+    scores exist: forward memory ``B·H·q_chunk·kv_chunk``. Costs one more ``q.k`` product per MLA
+    layer, and only when QK-clip is on."""
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    b, t, h, _ = q.shape
+    cq, ck = min(q_chunk, t), min(kv_chunk, t)
+    nq, nk = -(-t // cq), -(-t // ck)
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
+
+    def blocks(x, n, c, fill):  # [B, T, ...] -> [n, B, c, ...], padded with `fill`
+        x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
+
+    # padded queries sit before every key (index -1) and padded keys after every query: never visible
+    qs = (blocks(q, nq, cq, 0), blocks(index, nq, cq, -1), blocks(seg, nq, cq, 0))
+    ks = (blocks(k, nk, ck, 0), blocks(index, nk, ck, jnp.iinfo(jnp.int32).max), blocks(seg, nk, ck, 0))
+
+    def query_block(qb):
+        q_c, qi, qseg = qb
+
+        def key_block(best, kb):
+            k_c, ki, kseg = kb
+            scores = jnp.einsum("bthd,bshd->bhts", q_c, k_c, preferred_element_type=jnp.float32) * scale
+            visible = attention_mask(qi, ki, qseg, kseg)[:, None]  # [B, 1, C, C']
+            return jnp.maximum(best, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=(0, 2, 3))), None
+
+        return jax.lax.scan(key_block, jnp.full((h,), -jnp.inf, jnp.float32), ks)[0]
+
+    return jnp.max(jax.lax.map(query_block, qs), axis=0)
