@@ -1,5 +1,6 @@
-"""Shared pieces of the CPU benchmarks (decode.py, train_step.py): the HF Kimi Linear config matched
-to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers.
+"""Shared pieces of the CPU benchmarks (decode.py, train_step.py, serve.py): the HF Kimi Linear config
+matched to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers and
+the machine's measured float32 matmul peak.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
 and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
@@ -121,3 +122,23 @@ def cpu_info() -> dict:
             "torch_threads": torch.get_num_threads(),
             "jax_backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
             "compile_cache": str(COMPILE_CACHE) if COMPILE_CACHE else "off"}
+
+
+def matmul_peak(n: int = 1024, repeats: int = 10) -> dict:
+    """Float32 matmul throughput of this machine under XLA: the best of ``repeats`` timed ``n^3``
+    products (one jitted call runs 4 chained products, so dispatch is amortised)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)) / np.sqrt(n), jnp.float32)
+
+    @jax.jit
+    def chain(x):
+        for _ in range(4):
+            x = x @ a
+        return x
+
+    chain(a).block_until_ready()
+    best = min(timed(lambda: chain(a), lambda y: y.block_until_ready()) for _ in range(repeats))
+    return {"gflop_per_s": round(4 * 2 * n ** 3 / best / 1e9, 2), "n": n, "dtype": "float32"}

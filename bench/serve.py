@@ -8,7 +8,9 @@ k3jax: one server (``k3jax.serving``: uvicorn in a thread of this process, ``--m
 largest concurrency, XLA optimisations on) and an asyncio ``openai`` client that keeps
 ``concurrency`` streamed greedy completions in flight until all requests are done. Per level:
 requests/s, output tokens/s, time to first token (submit -> first streamed token) and inter-token
-latency (gaps between a stream's tokens), p50 / p99.
+latency (gaps between a stream's tokens), p50 / p99, and the model GFLOP/s that throughput means
+(``2 N_active`` per prompt and output token) as a fraction of a float32 matmul peak measured in the
+same process.
 
 Peer: ``transformers.KimiLinearForCausalLM.generate`` (greedy, exactly ``--max-tokens`` new tokens)
 on a Kimi Linear config of the same size (``common.hf_kimi_linear_config``), random weights, over the
@@ -30,7 +32,7 @@ import threading
 import time
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import cpu_info, hf_kimi_linear_config, log, randomize_torch
+from common import cpu_info, hf_kimi_linear_config, log, matmul_peak, randomize_torch
 
 # then out of the import path: bench/kernels.py would pass for the `kernels` package transformers probes for
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +45,7 @@ import torch  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
+from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402
 from k3jax.serving.engine import Engine  # noqa: E402
 from k3jax.serving.metrics import compile_count  # noqa: E402
@@ -136,6 +139,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 32; 8 quick)")
     ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--prefill-batch", type=int, default=8, help="waiting prompts prefilled together")
     ap.add_argument("--peer-batches", type=int, default=None, help="HF: time only the first N static batches of "
                     "each level (default: all; its tokens/s is a per-batch rate either way)")
     ap.add_argument("--seed", type=int, default=0)
@@ -159,7 +163,7 @@ def main(argv=None):
 
     log(f"serve bench: k3jax {config!r} server (max_batch {max(levels)}) vs HF KimiLinearForCausalLM.generate")
     engine = Engine(create_model(cfg, seed=args.seed), max_batch=max(levels), max_len=prompt_len + max_tokens,
-                    prefill_chunk=args.prefill_chunk, max_queue=n_requests)
+                    prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_queue=n_requests)
     t0 = time.perf_counter()
     server, thread, url = start_server(engine, config)  # compiles every program (Engine.warmup)
     startup_s = time.perf_counter() - t0
@@ -175,15 +179,26 @@ def main(argv=None):
         log(f"  concurrency {c}: HF generate, batches of {c}")
         hf[c] = hf_batches(hf_model, prompts, max_tokens, c, args.peer_batches)
     recompiles = compile_count() - compiles
+    log("matmul peak")
+    peak = matmul_peak()
+    # The server's model FLOPs: 2 N_active per prompt and per output token (attention over <= 96
+    # slots and the sampling left out: under 1% at these lengths), against the machine's matmul peak.
+    flop_per_token = 2.0 * count_params(cfg)["active"]
+    for c in levels:
+        gflops = flop_per_token * len(prompts) * (prompt_len + max_tokens) / k3[c]["wall_s"] / 1e9
+        k3[c]["model_gflop_per_s"] = round(gflops, 2)
+        k3[c]["fraction_of_matmul_peak"] = round(gflops / peak["gflop_per_s"], 4)
     server.should_exit = True
     thread.join(60)
     report = {
         "bench": "serve", "quick": q, "xla_optimizations": not q, **cpu_info(),
         "settings": {"config": config, "requests": n_requests, "concurrency": levels, "prompt_len": prompt_len,
                      "max_tokens": max_tokens, "max_batch": max(levels), "prefill_chunk": args.prefill_chunk,
+                     "prefill_batch": args.prefill_batch,
                      "peer_batches": args.peer_batches,
                      "dtype": "float32", "sampling": "greedy", "client": "openai.AsyncOpenAI, streamed"},
-        "server_startup_s": round(startup_s, 2), "compiles_during_load": recompiles,
+        "server_startup_s": round(startup_s, 2), "compiles_during_load": recompiles, "matmul_peak": peak,
+        "model_flop_per_token": flop_per_token,
         "results": {f"concurrency_{c}": {"k3jax_server": k3[c], "hf_generate_static_batches": hf[c]} for c in levels},
         "ratios_output_tokens_per_s": {f"concurrency_{c}": round(k3[c]["output_tokens_per_s"] /
                                                                  hf[c]["output_tokens_per_s"], 3) for c in levels},

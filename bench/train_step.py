@@ -40,10 +40,10 @@ import tempfile
 import time
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import cpu_info, hf_kimi_linear_config, log, median, randomize_torch, timed, torch_param_counts
+from common import (cpu_info, hf_kimi_linear_config, log, matmul_peak, median, randomize_torch, timed,
+                    torch_param_counts)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -87,22 +87,6 @@ def model_flops_per_step(cfg, active_params: int, batch: int, seq_len: int) -> f
     """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs."""
     tokens = batch * seq_len
     return 6.0 * active_params * tokens + 3.0 * mixing_flops_per_token(cfg, seq_len) * tokens
-
-
-def matmul_peak(n: int = 1024, repeats: int = 10) -> dict:
-    """Float32 matmul throughput of this machine under XLA: the best of ``repeats`` timed ``n^3``
-    products (one jitted call runs 4 chained products, so dispatch is amortised)."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)) / np.sqrt(n), jnp.float32)
-
-    @jax.jit
-    def chain(x):
-        for _ in range(4):
-            x = x @ a
-        return x
-
-    chain(a).block_until_ready()
-    best = min(timed(lambda: chain(a), lambda y: y.block_until_ready()) for _ in range(repeats))
-    return {"gflop_per_s": round(4 * 2 * n ** 3 / best / 1e9, 2), "n": n, "dtype": "float32"}
 
 
 class K3jaxStep:
