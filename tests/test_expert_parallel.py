@@ -162,4 +162,9 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu():
     # expert over every received row for the weight gradient
     fwd, bwd = flops["auto"]
     assert fwd > 0 and bwd == pytest.approx(2 * fwd, rel=0.01)
+    # ... and they count the pairs a device's experts get at a balanced load (plus a tile of rounding
+    # per expert), not the dropless receive buffer sized for every pair landing on one device
+    devices, gemm = mesh.size, 2 * latent * width  # FLOPs per row of one of the three matmuls
+    balanced, buffer = n // devices * top_k, n * top_k
+    assert 3 * gemm * balanced <= fwd < 3 * gemm * buffer, (fwd / (3 * gemm), balanced, buffer)
     assert flops["ragged_dot"][1] > 2 * bwd

@@ -98,8 +98,12 @@ def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, 
                 tokens_split, capacity_factor, impl, act_quant=None):
     """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` -> u ``[n, L]`` float32."""
     quant = {} if act_quant is None else {"act_quant": act_quant}
+    n, k = experts.shape
+    # The kernels' cost estimates count the pairs this device's experts get at a balanced load (each
+    # device's n * k), not the buffer's capacity head-room: the grouped matmul visits real rows only.
+    hint = {"expected_rows": n * k if tokens_split else -(-n * k // ep)} if impl == "pallas" else {}
     glu = functools.partial(kernels.ragged_glu(impl), w_gate=w_gate, w_up=w_up, w_down=w_down,
-                            activation=activation, beta=beta, linear_beta=linear_beta, **quant)
+                            activation=activation, beta=beta, linear_beta=linear_beta, **quant, **hint)
     if ep == 1:  # every expert is local: the single-device computation on this device's tokens
         pair_out = kernels.grouped_glu_experts(impl)(z, experts, w_gate, w_up, w_down, activation=activation,
                                                      beta=beta, linear_beta=linear_beta, **quant)

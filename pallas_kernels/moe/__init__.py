@@ -29,12 +29,14 @@ def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.
 
 
 def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, tiling=None,
-               interpret=None, backend=None):
+               interpret=None, backend=None, expected_rows=None):
     """Drop-in for ``k3jax.ops.moe.ragged_glu`` (rows already grouped by expert) with the three
     matmuls in Pallas: xs ``[M, D]``, group_sizes ``[E]`` -> ``[M, D]``; rows past ``sum(group_sizes)``
     are zeros. The weight gradients are ``tgmm`` over the real rows only (the transpose of
-    ``ragged_dot`` that XLA:TPU would lower as a dense matmul of every expert over every row)."""
-    mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+    ``ragged_dot`` that XLA:TPU would lower as a dense matmul of every expert over every row).
+    ``expected_rows``: the real rows expected in the buffer of M, for the cost estimates (``gmm``)."""
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
+                                     expected_rows=expected_rows)
     h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
     return mm(h, w_down)
 

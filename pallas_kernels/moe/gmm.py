@@ -101,13 +101,23 @@ def _check(lhs, group_sizes):
         raise ValueError(f"group_sizes must be a 1-D integer array, got {group_sizes.dtype} {group_sizes.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "out_dtype", "interpret", "backend"))
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=None, interpret=None, backend=None):
+def _cost_rows(M: int, expected_rows: int | None, E: int, tm: int) -> int:
+    """Rows the ``pl.CostEstimate`` counts. The grid visits only the tiles of real rows (``num_steps``
+    is dynamic), so the work is data-dependent: a caller whose buffer has head-room (an expert-parallel
+    capacity factor) passes the rows it expects; a tile per group of rounding is added, at most M."""
+    return M if expected_rows is None else min(M, expected_rows + E * tm)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "out_dtype", "interpret", "backend",
+                                             "expected_rows"))
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=None, interpret=None, backend=None,
+        expected_rows=None):
     """``out[r] = lhs[r] @ rhs[e(r)]`` (``rhs[e(r)]^T`` with transpose_rhs) for expert-sorted rows r.
 
     lhs [M, D]; rhs [E, D, F] (or [E, F, D] transposed); group_sizes [E] int with sum <= M. Returns
     [M, F] in ``out_dtype`` (default lhs.dtype); rows past ``sum(group_sizes)`` are zero. tiling:
     ``(tm, tk, tn)`` or None (the backend's default); ``backend="gpu"`` runs ``gmm_gpu.gmm`` (Triton).
+    ``expected_rows``: the real rows expected, for the cost estimate only (``_cost_rows``).
     """
     _check(lhs, group_sizes)
     interpret, backend = _resolve(interpret, backend)
@@ -160,9 +170,10 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=No
         scratch_shapes=[pltpu.VMEM((tm, tn), F32)],
     )
     isz = lambda d: jnp.dtype(d).itemsize
+    rows = _cost_rows(M, expected_rows, E, tm)
     cost = pl.CostEstimate(
-        flops=2 * M * D * F, transcendentals=0,
-        bytes_accessed=M * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + M * F * isz(out_dtype))
+        flops=2 * rows * D * F, transcendentals=0,
+        bytes_accessed=rows * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + rows * F * isz(out_dtype))
     out = pl.pallas_call(
         kernel,
         out_shape=out_struct((Mp, F), out_dtype, x),
@@ -178,11 +189,12 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=No
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret", "backend"))
-def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, backend=None):
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "interpret", "backend", "expected_rows"))
+def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, backend=None, expected_rows=None):
     """``out[e] = lhs_e^T @ dy_e`` over the rows of group e: lhs [M, D], dy [M, F] -> [E, D, F].
 
-    Empty groups give zeros. out_dtype defaults to lhs.dtype. tiling / backend as in ``gmm``.
+    Empty groups give zeros. out_dtype defaults to lhs.dtype. tiling / backend / expected_rows as in
+    ``gmm``.
     """
     _check(lhs, group_sizes)
     interpret, backend = _resolve(interpret, backend)
@@ -233,9 +245,10 @@ def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, b
         scratch_shapes=[pltpu.VMEM((tk, tn), F32)],
     )
     isz = lambda d: jnp.dtype(d).itemsize
+    rows = _cost_rows(M, expected_rows, E, tm)
     cost = pl.CostEstimate(
-        flops=2 * M * D * F, transcendentals=0,
-        bytes_accessed=M * D * isz(lhs.dtype) * (F // tn) + M * F * isz(dy.dtype) * (D // tk)
+        flops=2 * rows * D * F, transcendentals=0,
+        bytes_accessed=rows * D * isz(lhs.dtype) * (F // tn) + rows * F * isz(dy.dtype) * (D // tk)
         + E * D * F * isz(out_dtype))
     return pl.pallas_call(
         kernel,
@@ -248,32 +261,37 @@ def tgmm(lhs, dy, group_sizes, *, tiling=None, out_dtype=None, interpret=None, b
     )(offsets, group_ids, tile_ids, x, g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_matmul(lhs, rhs, group_sizes, tiling, interpret, backend):
-    return gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped_matmul(lhs, rhs, group_sizes, tiling, interpret, backend, expected_rows):
+    return gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
+               expected_rows=expected_rows)
 
 
-def _gm_fwd(lhs, rhs, group_sizes, tiling, interpret, backend):
-    out = gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend)
+def _gm_fwd(lhs, rhs, group_sizes, tiling, interpret, backend, expected_rows):
+    out = gmm(lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
+              expected_rows=expected_rows)
     return out, (lhs, rhs, group_sizes)
 
 
-def _gm_bwd(tiling, interpret, backend, res, dy):
+def _gm_bwd(tiling, interpret, backend, expected_rows, res, dy):
     lhs, rhs, group_sizes = res
     dx = gmm(dy, rhs, group_sizes, transpose_rhs=True, tiling=tiling, out_dtype=lhs.dtype, interpret=interpret,
-             backend=backend)
-    dw = tgmm(lhs, dy, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret, backend=backend)
+             backend=backend, expected_rows=expected_rows)
+    dw = tgmm(lhs, dy, group_sizes, tiling=tiling, out_dtype=rhs.dtype, interpret=interpret, backend=backend,
+              expected_rows=expected_rows)
     return dx, dw, None
 
 
 _grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, tiling=None, interpret=None, backend=None):
+def grouped_matmul(lhs, rhs, group_sizes, *, tiling=None, interpret=None, backend=None, expected_rows=None):
     """Differentiable ``gmm`` (a drop-in for ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``).
 
     Gradients: ``dx = gmm(dy, rhs, transpose_rhs=True)``, ``drhs = tgmm(lhs, dy)``; none for group_sizes.
+    ``expected_rows``: for the kernels' cost estimates (``gmm``).
     """
     interpret, backend = _resolve(interpret, backend)
     lhs, rhs = match_varying(lhs, rhs), match_varying(rhs, lhs)
-    return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), _tiling(tiling, backend), interpret, backend)
+    return _grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), _tiling(tiling, backend), interpret, backend,
+                           expected_rows)
