@@ -400,7 +400,9 @@ class OptimConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global norm; 0 disables
     per_head_muon: bool = True  # False: whole-matrix Muon (ablation)
-    qk_clip_tau: float = 0.0  # K2 MuonClip threshold for MLA heads; 0 disables
+    # K2's MuonClip: after each update, MLA heads whose max pre-softmax logit in the step exceeded tau
+    # are rescaled to tau (k3jax/optim.py qk_clip; K2 used 100); 0 disables
+    qk_clip_tau: float = 0.0
 
     def validate(self, prefix: str = "train.optim") -> None:
         _check(self.learning_rate > 0, f"{prefix}.learning_rate", "must be positive")
@@ -408,6 +410,7 @@ class OptimConfig:
         _check(0 <= self.end_lr_fraction <= 1, f"{prefix}.end_lr_fraction", "must be in [0, 1]")
         _check(self.grad_clip >= 0, f"{prefix}.grad_clip", "must be >= 0")
         _check(self.ns_steps > 0, f"{prefix}.ns_steps", "must be positive")
+        _check(self.qk_clip_tau >= 0, f"{prefix}.qk_clip_tau", "must be >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True)

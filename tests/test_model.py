@@ -302,6 +302,86 @@ def test_bad_inputs_raise(tiny):
             model(jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.ones((1, 4), jnp.int32), cache=model.init_cache(1, 8))
 
 
+def test_out_of_vocabulary_ids_are_named_eagerly(tiny6):
+    _, model, _, _ = tiny6
+    for bad in (256, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} at position \(row 1, column 3\) is outside the "
+                                             r"vocabulary \[0, 256\)"):
+            model(TOK.at[1, 3].set(bad))
+
+
+def test_out_of_vocabulary_ids_under_jit_flag_only_their_position(tiny6):
+    """Under jit the id cannot raise: its logits are NaN, nothing else is (the lookup is clamped, so no
+    NaN spreads along the row), and the positions before it and the other row are unchanged."""
+    _, _, fwd, clean = tiny6
+    for bad in (256, -1):
+        out = np.asarray(fwd(TOK.at[1, 3].set(bad)))
+        assert np.isnan(out[1, 3]).all() and np.isfinite(np.delete(out[1], 3, axis=0)).all()
+        np.testing.assert_array_equal(out[0], np.asarray(clean)[0])
+        np.testing.assert_array_equal(out[1, :3], np.asarray(clean)[1, :3])
+
+
+def test_layer_plan_locates_every_layer():
+    """``LayerPlan`` is the one map between layer indices and places in the model: every layer is found
+    exactly once, a stacked slice's layer is where ``locate`` says, and the optimizer's stacked test
+    agrees with it."""
+    from k3jax.layer_plan import LayerPlan
+    from k3jax.model import abstract_model
+
+    for name in ("k3", "k2", "kimi_linear_48b", "tiny"):
+        cfg = load_config(name).model
+        plan = abstract_model(cfg).plan
+        places = [plan.locate(i) for i in range(cfg.num_layers)]
+        assert len(set(places)) == cfg.num_layers
+        for g in range(plan.num_groups):
+            for j in range(plan.period):
+                i = plan.layer_at(g, j)
+                assert plan.locate(i) == (("groups", "layers", j), (g,)) and (cfg.mixer(i), cfg.ffn(i)) == plan.group_kinds[j]
+                assert LayerPlan.is_stacked(plan.locate(i)[0])
+        for i in plan.prefix + plan.suffix:
+            assert not LayerPlan.is_stacked(plan.locate(i)[0])
+        assert sorted(plan.prefix + plan.suffix + sum((plan.slot_layers(j) for j in range(plan.period)), ())) == \
+            list(range(cfg.num_layers))
+    with pytest.raises(IndexError):
+        plan.locate(cfg.num_layers)
+
+
+def test_head_max_logits_matches_dense_scores():
+    """The QK-clip statistic, computed block by block, equals the max of the dense masked scores."""
+    from k3jax.layers.mla import head_max_logits
+    from k3jax.ops.attention import attention_mask
+
+    rng = np.random.default_rng(0)
+    b, t, h, p = 2, 13, 3, 8
+    q, k = (jnp.asarray(rng.normal(size=(b, t, h, p)), jnp.float32) for _ in range(2))
+    index = jnp.broadcast_to(jnp.arange(t), (b, t))
+    seg = jnp.asarray([[1] * 5 + [2] * 6 + [0] * 2, [3] * 13])
+    for segment_ids in (None, seg):
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) * 0.3
+        visible = attention_mask(index, index, segment_ids, segment_ids)[:, None]
+        want = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=(0, 2, 3))
+        for chunks in ((3, 5), (13, 13), (4, 13)):
+            got = head_max_logits(q, k, index, segment_ids, 0.3, q_chunk=chunks[0], kv_chunk=chunks[1])
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_max_logits_come_out_of_the_forward_keyed_by_layer(tiny6):
+    """``forward(max_logits=True)``: one ``[H]`` entry per MLA layer, the same scanned or unrolled, and
+    the logits unchanged."""
+    cfg, model, _, logits = tiny6
+    unrolled = create_model(dataclasses.replace(cfg, scan_layers=False), seed=0)
+    got = {}
+    for m in (model, unrolled):
+        graphdef, state = nnx.split(m)
+        out, _, stats = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward(t, max_logits=True))(state, TOK)
+        got[m.plan.num_groups > 0] = stats.max_logits
+        np.testing.assert_allclose(out, logits, rtol=1e-5, atol=1e-6)
+    assert sorted(got[True]) == [i for i in range(cfg.num_layers) if cfg.mixer(i) == "mla"]
+    for i, v in got[True].items():
+        assert v.shape == (cfg.mla.num_heads,) and np.all(np.asarray(v) > 0)
+        np.testing.assert_allclose(v, got[False][i], rtol=1e-5)
+
+
 def test_segment_positions():
     seg = np.array([[1, 1, 1, 2, 2, 0, 0, 3], [4, 4, 4, 4, 4, 4, 4, 4], [1, 2, 1, 1, 2, 2, 2, 0]])
     expected = np.zeros_like(seg)

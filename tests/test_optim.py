@@ -380,6 +380,67 @@ def test_qk_clip_in_place_on_model():
         optim.qk_clip(model, {0: logits}, tau=100.0)  # a KDA layer
 
 
+# A 4-layer tiny (MLA layers 1 and 3, layer 3 in the suffix) on one packed batch: QK-clip in the train step.
+QK_CLIP = ["model.num_layers=4", "model.mla_period=2", "train.batch_size=2", "train.seq_len=32",
+           "train.optim.schedule=constant", "train.optim.warmup_steps=0", "train.optim.learning_rate=1e-6"]
+
+
+def _qk_clip_batch(cfg):
+    from k3jax.model import segment_positions
+
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.model.vocab_size)
+    seg = jnp.asarray([[1] * 20 + [2] * 12, [1] * 32])
+    targets = jnp.concatenate([tokens[:, 1:], jnp.full((2, 1), -1, tokens.dtype)], axis=1)
+    return {"tokens": tokens, "segment_ids": seg, "positions": segment_positions(seg), "targets": targets,
+            "loss_mask": seg > 0}
+
+
+def _max_logits(model, batch):
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s: nnx.merge(graphdef, s).forward(batch["tokens"], segment_ids=batch["segment_ids"],
+                                                            max_logits=True)[2].max_logits)
+    return {i: np.asarray(v) for i, v in fwd(state).items()}
+
+
+def _one_step(tau):
+    """The model after one train step with ``qk_clip_tau = tau`` (and a learning rate of 1e-6, so the
+    optimizer barely moves the weights and the clip is what changes them)."""
+    from k3jax.training import TrainState, make_train_step
+
+    cfg = load_config("tiny", QK_CLIP + [f"train.optim.qk_clip_tau={tau}"])
+    model = create_model(cfg.model, seed=0)
+    with nnx.use_eager_sharding(False):
+        ts = TrainState(model, optim.make_optimizer(cfg.train.optim, model, cfg.train.steps))
+    graphdef, state = nnx.split(ts)
+    batch = _qk_clip_batch(cfg)
+    state, metrics = make_train_step(graphdef, cfg)(state, batch)
+    assert bool(metrics["finite"])
+    return nnx.merge(graphdef, state).model, batch
+
+
+def test_qk_clip_in_the_train_step_caps_the_max_logit():
+    """K2's MuonClip: after the update, every MLA head whose max logit in the step's forward exceeded
+    tau is rescaled, so the recomputed max logit is at most tau (up to the tiny update and the
+    changed inputs of later layers)."""
+    cfg = load_config("tiny", QK_CLIP)
+    before = _max_logits(create_model(cfg.model, seed=0), _qk_clip_batch(cfg))
+    assert sorted(before) == [1, 3]
+    tau = 0.5 * min(float(v.min()) for v in before.values())  # every head is clipped
+    model, batch = _one_step(tau)
+    after = _max_logits(model, batch)
+    for i, v in after.items():
+        assert np.all(v <= tau * 1.01), (i, v, tau)
+        assert np.all(v >= tau * 0.95), (i, v, tau)  # scaled to tau, not further
+
+
+def test_qk_clip_off_or_never_reached_changes_nothing():
+    """tau = 0 (off: no statistic, no clip) and a tau no head reaches give the same model bit for bit."""
+    off, _ = _one_step(0.0)
+    unreached, _ = _one_step(1e6)
+    for a, b in zip(jax.tree.leaves(nnx.state(off)), jax.tree.leaves(nnx.state(unreached))):
+        np.testing.assert_array_equal(a, b)
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end
 

@@ -39,14 +39,8 @@ SETUP = textwrap.dedent("""
                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
     def new_biases(stats, top_k):
-        \"\"\"The Quantile Balancing bias each statistics entry gives (stacked entries: vmapped).\"\"\"
-        out = {}
-        for key, st in stats.items():
-            fn = qb.new_bias
-            for _ in range(st.num_tokens.ndim):
-                fn = jax.vmap(fn, in_axes=(0, None))
-            out[key] = fn(st, top_k)
-        return out
+        \"\"\"The Quantile Balancing bias of each MoE layer's statistics.\"\"\"
+        return {layer: qb.new_bias(st, top_k) for layer, st in stats.items()}
 
     def bias_error_in_bins(stats, ref_stats, top_k):
         \"\"\"Largest bias difference in histogram bins (bin-edge ties may move one margin by a bin).\"\"\"
@@ -62,7 +56,7 @@ FORWARD = SETUP + textwrap.dedent("""
     def loss_fn(graphdef):
         def loss(params, rest, tokens, seg):
             logits, _, stats = nnx.merge(graphdef, params, rest).forward(tokens, segment_ids=seg)
-            return jnp.mean(jnp.square(logits)) + jnp.mean(logits[..., 0] * (seg > 0)), (logits, stats)
+            return jnp.mean(jnp.square(logits)) + jnp.mean(logits[..., 0] * (seg > 0)), (logits, stats.router)
         return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
     (_, (ref_logits, ref_stats)), ref_grads = loss_fn(graphdef)(params, rest, tokens, seg)
