@@ -83,7 +83,7 @@ def _check_choices(cfg, prefix: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KDAConfig:
-    """Kimi Delta Attention (SPEC §2)."""
+    """Kimi Delta Attention (docs/design.md "KDA")."""
 
     num_heads: int = 4
     head_dim: int = 32  # K = V
@@ -122,7 +122,7 @@ class YarnConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Gated multi-head latent attention (SPEC §3)."""
+    """Gated multi-head latent attention (README "The architecture")."""
 
     num_heads: int = 4
     q_lora_rank: int = 64  # 0: plain query projection (Kimi Linear)
@@ -155,7 +155,8 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """(Stable Latent)MoE (SPEC §5). ``latent_dim = 0`` gives a plain DeepSeek-style MoE."""
+    """(Stable Latent)MoE (docs/design.md "Stable LatentMoE and Quantile Balancing"). ``latent_dim = 0``
+    gives a plain DeepSeek-style MoE."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -194,7 +195,8 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttnResConfig:
-    """Block Attention Residuals (SPEC §4). ``enabled = False`` gives a plain pre-norm stack."""
+    """Block Attention Residuals (docs/design.md "Block Attention Residuals"). ``enabled = False`` gives a
+    plain pre-norm stack."""
 
     enabled: bool = True
     block_size: int = 12  # decoder layers per block (closes_block)
@@ -241,7 +243,7 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT vision tower + projector + image processor (k3jax/vision; research k3_format.md §3).
+    """MoonViT vision tower + projector + image processor (k3jax/vision; docs/design.md "Vision").
 
     Defaults are K3's MoonViT-V2. K2.5's MoonViT (HF transformers ``kimi_k25``) is ``norm:
     layernorm, norm_eps: 1e-5, bias: true, pos_interpolation: bicubic, hidden_size: 1152,
@@ -381,7 +383,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Per-head Muon for matrices + AdamW for the rest (SPEC §6), schedule and clipping."""
+    """Per-head Muon for matrices + AdamW for the rest (the table in k3jax/optim.py), schedule and clipping."""
 
     learning_rate: float = 3e-3  # Muon peak LR (the 0.2*sqrt(max(rows, cols)) scale matches AdamW RMS)
     adam_learning_rate: float | None = None  # None: same as learning_rate

@@ -4,8 +4,8 @@ final norm, lm_head.
 Layers whose (mixer, FFN) pattern repeats with the layout period are stacked into one parameter tree
 with a leading ``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with
 depth; the few layers outside the repeating run (the dense layer 0, the final MLA) are ordinary
-modules (``k3jax.layer_plan`` decides which, and maps layer indices to places in the model). ``model(tokens, ...)`` is the one forward function
-training and decoding share.
+modules (``k3jax.layer_plan`` decides which, and maps layer indices to places in the model).
+``model(tokens, ...)`` is the one forward function training and decoding share.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parameter counts from the abstract model (nothing is allocated): ``python -m k3jax.params k3``.
 
-Rule (SPEC §9): *total* is every parameter; *active* is what one token multiplies through, i.e.
+Rule (docs/design.md "Parameter counting"): *total* is every parameter; *active* is what one token multiplies through, i.e.
 everything except the routed experts it does not select (only ``top_k / num_experts`` of each routed
 expert tensor counts) and the input embedding table (a lookup; counted when tied to the head).
 The K2 report counts the embedding as active too; ``active_with_embedding`` gives that figure.

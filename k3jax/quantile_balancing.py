@@ -1,4 +1,5 @@
-"""Quantile Balancing (README "The architecture", docs/design.md): the router bias is *replaced* after every optimizer step.
+"""Quantile Balancing (docs/design.md "Stable LatentMoE and Quantile Balancing"): the router bias is
+*replaced* after every optimizer step.
 
 With raw sigmoid scores ``s [m, n]`` (m real tokens, n experts, top-k) and the bias ``b`` the forward
 pass routed with, ``alpha_i`` is the (k+1)-th largest of ``s_i + b``. The new bias is

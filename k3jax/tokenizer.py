@@ -4,7 +4,7 @@ A release directory holds ``tiktoken.model`` (base64 ``<token bytes> <rank>`` li
 ranks) and ``tokenizer_config.json`` (special tokens in ``added_tokens_decoder``, ``bos_token`` /
 ``eos_token`` / ..., and for K2 / Kimi Linear a jinja ``chat_template``). Ids ``[n_base, n_base +
 256)`` are special tokens: the named ones from ``added_tokens_decoder``, the rest
-``<|reserved_token_{id}|>`` (research/k3_format.md §5).
+``<|reserved_token_{id}|>`` (the release's tokenization_kimi.py).
 
 Chat rendering: a jinja ``chat_template`` (``tokenizer_config.json`` or ``chat_template.jinja``)
 is rendered like transformers does; without one, and when the vocabulary has K3's
@@ -225,7 +225,7 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------------
-# K3 XTML (research/k3_format.md §5; the release's encoding_k3.build_chat_segments)
+# K3 XTML (the release's encoding_k3.build_chat_segments)
 
 
 def _escape_attr(value: Any) -> str:

@@ -1,6 +1,6 @@
-"""Block Attention Residuals (SPEC §4): the helpers against a direct numpy formula, the model against a
-test-side reimplementation of §4 that calls the model's own sublayer modules, and the plain pre-norm
-stack when AttnRes is off."""
+"""Block Attention Residuals (docs/design.md "Block Attention Residuals"): the helpers against a direct
+numpy formula, the model against a test-side reimplementation that calls the model's own sublayer
+modules, and the plain pre-norm stack when AttnRes is off."""
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("fast_xla")
 
 
 def np_attn_res(sources, query, gain, eps):
-    """SPEC §4 in float64: score_j = (gain*w).v_j / sqrt(mean(v_j^2) + eps), softmax over j, sum p_j v_j."""
+    """The AttnRes mix in float64: score_j = (gain*w).v_j / sqrt(mean(v_j^2) + eps), softmax over j, sum p_j v_j."""
     v = np.stack([np.asarray(s, np.float64) for s in sources])  # [S, B, T, d]
     rms = np.sqrt(np.mean(v * v, axis=-1) + eps)
     scores = np.einsum("sbtd,d->sbt", v, np.asarray(gain, np.float64) * np.asarray(query, np.float64)) / rms
@@ -133,7 +133,7 @@ def sublayer_ffn(layer, h):
 
 
 def jnp_mix(mix, sources, eps):
-    """SPEC §4 written out on a Python list of sources (no fixed-size bank, no masks)."""
+    """The AttnRes mix written out on a Python list of sources (no fixed-size bank, no masks)."""
     v = jnp.stack(sources).astype(jnp.float32)
     rms = jnp.sqrt(jnp.mean(v * v, axis=-1) + eps)
     scores = jnp.einsum("sbtd,d->sbt", v, mix.norm[...] * mix.query[...]) / rms

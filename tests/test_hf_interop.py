@@ -1,6 +1,6 @@
 """Hugging Face interop: parity with transformers 5.24 (kimi_linear, deepseek_v3), round trips,
 the K3 release layout (with MXFP4-packed experts) against an independent float64 NumPy model of
-SPEC §1-5, config refusals, fp8 block checkpoints, streaming memory, the convert CLI.
+the architecture (README), config refusals, fp8 block checkpoints, streaming memory, the convert CLI.
 
 Every weight is randomised away from its init (norm gains, gate constants, router bias with
 distinct values, A_log, dt_bias) so that no path can hide.
@@ -398,7 +398,7 @@ def test_k3_keep_mxfp4_roundtrip_bytes(k3_ckpt, tmp_path):
                 np.testing.assert_array_equal(a.get(k), b.get(k), err_msg=k)
 
 
-# --- an independent float64 NumPy implementation of SPEC §1-5, reading the release layout -------
+# --- an independent float64 NumPy implementation of the architecture, reading the release layout ---
 
 
 def _np_mxfp4(packed, scale):
@@ -561,7 +561,7 @@ def test_k3_matches_float64_reference(k3_ckpt, k3_model, tokens):
     abs_err, rel = rel_err(ours, ref)
     # for scale: the same NumPy reference run in float32 (the conditioning of an fp32 forward pass)
     _, rel32 = rel_err(k3_reference_logits(k3_ckpt, tokens[0, :12], np.float32), ref)
-    print(f"\nkimi_k3 (fp32 k3jax vs float64 NumPy SPEC reference): max abs {abs_err:.3e}, rel {rel:.3e} "
+    print(f"\nkimi_k3 (fp32 k3jax vs float64 NumPy reference): max abs {abs_err:.3e}, rel {rel:.3e} "
           f"(float32 NumPy reference: rel {rel32:.3e})")
     assert rel < REL_TOL
 
@@ -586,7 +586,7 @@ def test_config_mapping_both_ways(k3_model, kimi_linear_loaded, deepseek_loaded)
     assert (k3_model.cfg.layout, k3_model.cfg.mla_period, k3_model.cfg.last_layer_mla) == ("hybrid", 4, False)
 
 
-# The release configs (research/k3_format.md §2.1, research/kda.md §8, research/components.md §8).
+# The release configs (their config.json, architecture keys).
 K3_TEXT_CONFIG = {
     "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840,
     "hidden_size": 7168, "num_hidden_layers": 93, "intermediate_size": 33792, "first_k_dense_replace": 1,

@@ -157,10 +157,10 @@ def check_grads_finite_nonzero(model, flat):
             if not np.any(row != 0):
                 zero.add(name)
     # Expected exact zeros at initialisation, and nothing else:
-    # - layer 0's attention-side AttnRes mixes a single source (the embedding, SPEC §4): its softmax is
-    #   constant, so its pseudo-query and gain get no gradient;
-    # - every AttnRes gain enters only as (gain * query) and the queries start at zero (SPEC §4), so the
-    #   gains' gradients are zero until the queries move.
+    # - layer 0's attention-side AttnRes mixes a single source (the embedding; docs/design.md "Block
+    #   Attention Residuals"): its softmax is constant, so its pseudo-query and gain get no gradient;
+    # - every AttnRes gain enters only as (gain * query) and the queries start at zero (docs/design.md
+    #   "Initialisation"), so the gains' gradients are zero until the queries move.
     expected = {n for n in flat if n.endswith("_res_mix/norm") or n.startswith("prefix/0/attn_res_mix/")}
     assert zero == expected, (sorted(zero - expected), sorted(expected - zero))
 
@@ -336,7 +336,8 @@ def test_layer_plan_locates_every_layer():
         for g in range(plan.num_groups):
             for j in range(plan.period):
                 i = plan.layer_at(g, j)
-                assert plan.locate(i) == (("groups", "layers", j), (g,)) and (cfg.mixer(i), cfg.ffn(i)) == plan.group_kinds[j]
+                assert plan.locate(i) == (("groups", "layers", j), (g,))
+                assert (cfg.mixer(i), cfg.ffn(i)) == plan.group_kinds[j]
                 assert LayerPlan.is_stacked(plan.locate(i)[0])
         for i in plan.prefix + plan.suffix:
             assert not LayerPlan.is_stacked(plan.locate(i)[0])

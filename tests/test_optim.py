@@ -155,7 +155,7 @@ def test_dimension_numbers_with_and_without_heads():
 
 
 # ----------------------------------------------------------------------------------------------
-# The tiny model's parameter groups (SPEC §6 table)
+# The tiny model's parameter groups (the table in k3jax/optim.py)
 
 # (path, group, dimension numbers) -- scanned group layers carry a leading ``layers`` axis (0).
 EXPECTED_TINY = [

@@ -1,5 +1,6 @@
-"""Quantile Balancing (SPEC §5): the bias rule against a direct NumPy computation, the histogram
-estimator, pooling, expert loads, and convergence of a skewed router."""
+"""Quantile Balancing (docs/design.md "Stable LatentMoE and Quantile Balancing"): the bias rule against a
+direct NumPy computation, the histogram estimator, pooling, expert loads, convergence of a skewed
+router, and the bias update keyed by layer."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from k3jax.ops.moe import sigmoid_topk_route
 
 
 def _numpy_new_bias(scores: np.ndarray, bias: np.ndarray, mask: np.ndarray, top_k: int) -> np.ndarray:
-    """SPEC §5 written out: alpha_i = (k+1)-th largest biased score of token i; the new bias of expert
+    """The rule written out: alpha_i = (k+1)-th largest biased score of token i; the new bias of expert
     j is minus the (q+1)-th largest margin s_ij - alpha_i over real tokens, q = floor(m k / n); centred."""
     s = scores[mask].astype(np.float64)
     m, n = s.shape

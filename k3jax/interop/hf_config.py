@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> k3jax ``ModelConfig``.
 
-Supported model types (research/k3_format.md §2, research/kda.md §8, research/components.md §8):
+Supported model types (the config.json of each release):
 
 - ``kimi_k3``: the multimodal release; the text model is ``text_config`` (itself ``kimi_linear``
   with K3 extras: ``hidden_act: situ``, ``attn_res_block_size``, ``linear_attn_config.
@@ -456,7 +456,7 @@ def _kimi_text_config(cfg: ModelConfig, model_type: str, dtype: str) -> dict:
 
 
 def mxfp4_quantization_config() -> dict:
-    """The release's ``quantization_config`` (research/k3_format.md §2.1)."""
+    """The release's ``quantization_config`` (compressed-tensors, MXFP4 routed experts)."""
     weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
                "dynamic": False, "observer": "minmax", "scale_dtype": "torch.uint8", "zp_dtype": None,
                "actorder": None, "block_structure": None}

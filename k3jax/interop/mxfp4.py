@@ -7,7 +7,7 @@ differently on purpose: IEEE float arithmetic (``frexp``, exact power-of-two sca
 search for the nearest E2M1 value.
 
 Storage layout of the Kimi-K3 release (compressed-tensors ``mxfp4-pack-quantized``,
-research/k3_format.md §1.3), for an ``nn.Linear`` weight ``W [..., out, in]``:
+the compressed-tensors ``pack-quantized`` layout of the K3 release), for an ``nn.Linear`` weight ``W [..., out, in]``:
 
 - ``weight_packed`` uint8 ``[..., out, in / 2]``: two 4-bit codes per byte, the **low nibble is
   the even input column**, the high nibble the odd one. Code bit 3 is the sign, bits 0-2 index the

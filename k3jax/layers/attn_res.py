@@ -1,12 +1,13 @@
-"""Block Attention Residuals (SPEC §4).
+"""Block Attention Residuals (docs/design.md "Block Attention Residuals").
 
 Each sublayer mixes a list of source tensors with a softmax over depth, scored by a learned
 pseudo-query against the RMS-normalised sources: ``score_j = (gamma * w) . v_j / rms(v_j)``,
 ``h = sum_j softmax_j(score) v_j`` (float32). The sources are the embedding, the completed block
 sums (the *bank*) and the running partial sum of the current block.
 
-The bank is a fixed-size buffer with a count of valid rows, so a scanned group of layers can close
-a block under a traced predicate and the compiled graph does not depend on where blocks close.
+The bank is a fixed-size buffer with a count of valid rows (``AttnResConfig.num_slots``), so a
+scanned group of layers can close a block under a traced predicate (``AttnResConfig.closes_block``)
+and the compiled graph does not depend on where blocks close.
 Nothing here depends on other positions, so decoding needs no AttnRes cache: every token carries its
 own bank through the layers.
 """

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC §2).
+"""Kimi Delta Attention layer (docs/design.md "KDA").
 
 ``q, k, v = silu(conv(x W))`` (q, k then L2-normalised per head), ``beta = sigmoid(x W_b)``, per-channel
 log-decay ``g`` from a low-rank projection through the lower-bounded sigmoid (K3) or softplus (Kimi

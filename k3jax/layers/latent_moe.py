@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC §5): sigmoid router on the full-width input, routed experts in a latent
+"""Stable LatentMoE (docs/design.md "Stable LatentMoE and Quantile Balancing"): sigmoid router on the full-width input, routed experts in a latent
 width, RMSNorm on the weighted expert sum before the up-projection, shared experts on the full width.
 
 With ``moe.latent_dim = 0`` this is a plain DeepSeek-V3 / Kimi K2 MoE (no projections, no norm).

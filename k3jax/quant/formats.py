@@ -1,6 +1,6 @@
 """OCP Microscaling v1.0 formats used by K3: FP4 E2M1 and FP8 E4M3 elements, E8M0 block scales.
 
-Facts only (research/k3_format.md §4.2); the NumPy codec (``k3jax.interop.mxfp4``) and the JAX
+Facts only (the OCP MX spec and the K3 release's bytes; docs/quantization.md); the NumPy codec (``k3jax.interop.mxfp4``) and the JAX
 quantizers (``k3jax.quant.mx`` and friends) both take their constants from here.
 
 A block is ``GROUP_SIZE`` consecutive elements along the contraction axis sharing one scale
@@ -13,13 +13,13 @@ of the element format's largest power of two, 2 for E2M1, and ``max_value`` its 
   This is the release's rule as far as the released bytes can tell: a third-party team histogrammed
   the released K3 experts' block peaks (in units of X: 3 for 26 %, 4 for 55 %, 6 for 19 %), which
   only a no-clip rule that puts the peak near E2M1's largest power of two produces
-  (research/k3_format.md §4.3). ``"ceil"`` and ``"aiter"`` are the two such rules; they differ only
+  (docs/quantization.md, "The scale rule is a switch"). ``"ceil"`` and ``"aiter"`` are the two such rules; they differ only
   when ``amax`` is exactly ``6 * 2**k``, which the released bytes cannot reveal (the master weights
   are not public). ``"ceil"`` is the default because it is idempotent: decoding a block and
   re-encoding it never changes a value, so the released (or any exported) experts survive a dense
   round trip exactly and QAT from the released weights starts exactly at the released model.
 - ``"aiter"``: ``amax / 2**emax`` rounded to a power of two with the round-up threshold at mantissa
-  1.5 (AITER's ``f32_to_e8m0``, the reconstruction of research/k3_format.md §4.3). At the tie it
+  1.5 (AITER's ``f32_to_e8m0``, as reconstructed in docs/quantization.md). At the tie it
   doubles the scale, so re-encoding a decoded block whose peak is 6 moves its 0.5 and 1.5 elements
   (19 % of the released blocks peak at 6).
 - ``"ocp"``: OCP MX v1.0 Algorithm 1, ``2 ** (floor(log2(amax)) - emax)``; clips the peak of

@@ -1,6 +1,6 @@
 """MXFP8 (FP8 E4M3 elements, E8M0 scale per 32) in JAX: K3's expert-GEMM input activations.
 
-K3 computes its routed experts with MXFP8 inputs (research/k3_format.md §4.1): the latent tokens
+K3 computes its routed experts with MXFP8 inputs (the release's quantization_config; docs/quantization.md): the latent tokens
 entering w1 / w3 and the SiTU-GLU output entering w2, quantized per token in blocks of 32 along the
 contraction axis at run time. Elements are ``jnp.float8_e4m3fn`` (largest 448, no infinity);
 rounding is to nearest even with saturation; the default scale rule is the no-clip ``"ceil"`` of
