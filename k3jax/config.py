@@ -57,16 +57,16 @@ def without_runtime_fields(cfg) -> dict:
     return out
 
 
-def _choice_error(value: Any, tp: Any) -> str | None:
-    """The message for a value outside a ``Literal[...]`` annotation (also ``Literal | None``), else None."""
+def _check_choice(value: Any, tp: Any, where: str) -> None:
+    """A value of a ``Literal[...]``-annotated field (also ``Literal | None``) must be one of the allowed
+    values; the error names the field and lists them. Other annotations pass."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
-            return None
+            return
         (tp,) = [a for a in args if a is not type(None)]
-    if typing.get_origin(tp) is not Literal or value in typing.get_args(tp):
-        return None
-    return f"must be one of {list(typing.get_args(tp))}, got {value!r}"
+    if typing.get_origin(tp) is Literal:
+        _check(value in typing.get_args(tp), where, f"must be one of {list(typing.get_args(tp))}, got {value!r}")
 
 
 def _check_choices(cfg, prefix: str) -> None:
@@ -77,8 +77,7 @@ def _check_choices(cfg, prefix: str) -> None:
         if dataclasses.is_dataclass(value):
             _check_choices(value, f"{prefix}.{name}")
         else:
-            error = _choice_error(value, tp)
-            _check(error is None, f"{prefix}.{name}", error or "")
+            _check_choice(value, tp, f"{prefix}.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,7 +511,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return _from_dict(tp, value, where)
     if origin is Literal:
-        _check(_choice_error(value, tp) is None, where, _choice_error(value, tp) or "")
+        _check_choice(value, tp, where)
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

@@ -243,7 +243,9 @@ class K3Model(nnx.Module):
                  positions: jax.Array | None = None, cache: ModelCache | None = None,
                  token_valid: jax.Array | None = None,
                  images: VisionInputs | jax.Array | None = None) -> tuple[jax.Array, ModelCache | None]:
-        """tokens ``[B, T]`` int -> (logits ``[B, T, V]`` float32, updated cache or None).
+        """tokens ``[B, T]`` int ids in ``[0, V)`` -> (logits ``[B, T, V]`` float32, updated cache or None).
+        An id outside raises when the ids are concrete and gives NaN logits at its position under ``jit``
+        (:func:`check_token_ids`).
 
         Training / full forward (``cache=None``): ``segment_ids [B, T]`` marks packed documents,
         which never see each other (KDA state, conv window and MLA are all reset at document
