@@ -8,7 +8,11 @@ Ctrl-C finishes the current step, saves a checkpoint and exits; the same command
 The training loop itself is ``k3jax.trainer.train``; this file is its command line.
 
 The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
-and, at the end, ``loss.png`` (``k3jax/run_log.py``).
+and, at the end, ``loss.png`` (``k3jax/run_log.py``); ``train.lock`` keeps a second process out.
+
+Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
+``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
+130 stopped by Ctrl-C after saving.
 """
 
 from __future__ import annotations
