@@ -332,10 +332,10 @@ class K3Model(nnx.Module):
             h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
         with jax.named_scope("lm_head_loss"):
             h = self.final_norm(h)
+            if in_vocab is not None:  # the flag of a traced out-of-vocabulary id: NaN logits at its position only
+                h = jnp.where(in_vocab[..., None], h, jnp.nan)  # (on [B, T, d], cheaper than on the logits)
             head = cast(self.embed, dt).T if cfg.tie_embeddings else cast(self.lm_head, dt)
             logits = jnp.einsum("btd,dv->btv", h.astype(dt), head, preferred_element_type=jnp.float32)
-            if in_vocab is not None:  # the flag of a traced out-of-vocabulary id: NaN at its position only
-                logits = jnp.where(in_vocab[..., None], logits, jnp.nan)
         new_cache = None
         if cache is not None:
             new_cache = ModelCache(tuple(new_prefix), tuple(new_groups) if new_groups is not None else (),
