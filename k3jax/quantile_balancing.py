@@ -7,8 +7,8 @@ pass routed with, ``alpha_i`` is the (k+1)-th largest of ``s_i + b``. The new bi
 ``q = floor(m k / n)`` (its fair share of tokens), then centred (top-k is invariant to a common
 offset). No step size, no EMA, no auxiliary loss.
 
-Statistics are gathered in the forward pass and are *mergeable*, so micro-batches of a gradient
-accumulation step and data-parallel shards pool into the statistics of the global batch:
+Statistics are gathered in the forward pass and are *mergeable* (:func:`pool`), so micro-batches of a
+gradient accumulation step and data-parallel shards pool into the statistics of the global batch:
 
 - ``exact``: every real token's margins ``[m, n]`` (merge = concatenate). Exact; memory ``m * n``.
 - ``histogram``: per-expert counts of the margins in ``num_bins`` equal bins over a range fixed by
@@ -68,12 +68,14 @@ def router_statistics(scores: jax.Array, threshold: jax.Array, bias: jax.Array, 
     raise ValueError(f"unknown quantile balancing method {method!r}")
 
 
-def merge(a, b):
-    """Pool the statistics of two micro-batches (same bias, hence the same histogram range)."""
-    if isinstance(a, ExactStats):
-        return ExactStats(jnp.concatenate([a.margins, b.margins], axis=-2), a.num_tokens + b.num_tokens,
-                          a.load + b.load)
-    return HistogramStats(a.counts + b.counts, a.num_tokens + b.num_tokens, a.low, a.high, a.load + b.load)
+def pool(stats: ExactStats | HistogramStats) -> ExactStats | HistogramStats:
+    """The statistics of several micro-batches stacked along a leading axis ``A`` (same bias, hence
+    the same histogram range) as those of their union: margins ``[A, m, n]`` -> ``[A*m, n]``, counts add."""
+    if isinstance(stats, ExactStats):
+        return ExactStats(stats.margins.reshape((-1, stats.margins.shape[-1])), jnp.sum(stats.num_tokens, 0),
+                          jnp.sum(stats.load, 0))
+    return HistogramStats(jnp.sum(stats.counts, 0), jnp.sum(stats.num_tokens, 0), stats.low[0], stats.high[0],
+                          jnp.sum(stats.load, 0))
 
 
 def new_bias(stats: ExactStats | HistogramStats, top_k: int) -> jax.Array:

@@ -99,15 +99,8 @@ def _micro_batches(batch: dict, n: int) -> dict:
 
 def _pool_micro_batches(stats: ForwardStats) -> ForwardStats:
     """Pool the statistics of micro-batches stacked along a leading axis ``A``: router statistics
-    merge (``[A, N, E]`` margins -> ``[A*N, E]``, counts add), max logits take the max."""
-    def pool(st):
-        if isinstance(st, qb.ExactStats):
-            return qb.ExactStats(st.margins.reshape((-1, st.margins.shape[-1])), jnp.sum(st.num_tokens, 0),
-                                 jnp.sum(st.load, 0))
-        return qb.HistogramStats(jnp.sum(st.counts, 0), jnp.sum(st.num_tokens, 0), st.low[0], st.high[0],
-                                 jnp.sum(st.load, 0))
-
-    return ForwardStats(router={i: pool(st) for i, st in stats.router.items()},
+    pool (``quantile_balancing.pool``), max logits take the max."""
+    return ForwardStats(router={i: qb.pool(st) for i, st in stats.router.items()},
                         max_logits={i: jnp.max(m, axis=0) for i, m in stats.max_logits.items()})
 
 
