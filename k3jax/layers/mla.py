@@ -87,16 +87,16 @@ class MLA(nnx.Module):
         if cache is None:
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             kv_latent = jnp.concatenate([ckv, k_rope[:, :, 0]], axis=-1)  # [B, T, r + R]: 576 wide for K3
+            index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             if seq_parallel.sequence_shards(t) > 1:  # time split over `sequence`: shards gather the latent
                 o = seq_parallel.mla_attention(self.expanded_attention, q, kv_latent, segment_ids, kv_b)
             else:
-                index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
                 o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
             y = self._gate_and_project(x, o)
             if not max_logits:
                 return y, None
+            # on the whole sequence (GSPMD splits it like any array under a sequence-sharded mesh)
             k, _ = self._expand(kv_latent, kv_b)
-            index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             return y, None, head_max_logits(q, k, index, segment_ids, self.softmax_scale)
         if max_logits:
             raise ValueError("max_logits is measured in the expanded (training) form, without a cache")
