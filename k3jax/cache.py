@@ -119,8 +119,8 @@ def shift_slots(cache: ModelCache, shift) -> ModelCache:
 
 
 def write_row(cache: ModelCache, row, src: ModelCache, shift, src_row=0) -> ModelCache:
-    """``cache`` with row ``row`` (an int, traced or not) replaced by the one row of ``src`` (a batch-1
-    cache of the same model, any number of slots), its slots moved by ``shift`` as in
+    """``cache`` with row ``row`` (an int, traced or not) replaced by row ``src_row`` of ``src`` (a cache
+    of the same model, any number of rows and slots), its slots moved by ``shift`` as in
     :func:`shift_slots`: a prefilled request joins a running batch whose write position is
     ``cache.length`` when ``shift = cache.length - src.length``. ``cache.length`` is unchanged."""
 
