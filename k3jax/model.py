@@ -381,8 +381,9 @@ def _no_eager_sharding():
 
 
 def create_model(cfg: ModelConfig, *, seed: int = 0) -> K3Model:
-    """A randomly initialised model on the default device (initialised under one jit: eager
-    initialisation would compile one tiny program per parameter shape)."""
+    """A randomly initialised model on the default device. Eager: the initialisers draw on the host with
+    NumPy (``layers/initializers.py``; no program to compile per parameter shape), so the values differ
+    from ``training.init_train_state``, the jitted, mesh-independent init that training uses."""
     with _no_eager_sharding():
         return K3Model(cfg, rngs=nnx.Rngs(seed))
 

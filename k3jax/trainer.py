@@ -30,7 +30,6 @@ from k3jax.config import Config, to_dict
 from k3jax.data.images import make_dataset
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
-from k3jax.model import plan_layers
 from k3jax.optim import learning_rate_schedule
 from k3jax.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
 from k3jax.run_log import RunLog, plot_losses
@@ -231,7 +230,7 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
-    moe_layers = expert_imbalance_layers(plan_layers(cfg.model), cfg.model)
+    moe_layers = expert_imbalance_layers(cfg.model)
 
     log = RunLog(out, step=start, enabled=main_process)
     if log.rolled_back:

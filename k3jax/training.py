@@ -15,7 +15,7 @@ from flax import nnx
 from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
-from k3jax.model import ForwardStats, K3Model, LayerPlan, abstract_model, create_model
+from k3jax.model import ForwardStats, K3Model, abstract_model, create_model
 from k3jax.optim import make_optimizer, qk_clip
 from k3jax.sharding import state_shardings
 
@@ -112,7 +112,7 @@ def expert_imbalance(router_stats: dict) -> jax.Array:
     return jnp.stack([qb.load_imbalance(router_stats[i]) for i in sorted(router_stats)])
 
 
-def expert_imbalance_layers(plan: LayerPlan, cfg: ModelConfig) -> list[int]:
+def expert_imbalance_layers(cfg: ModelConfig) -> list[int]:
     """The layer index of each entry of the ``expert_imbalance`` metric (MoE layers with Quantile
     Balancing statistics)."""
     if cfg.moe.balancing != "quantile" or not cfg.moe.router_bias:

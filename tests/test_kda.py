@@ -29,7 +29,7 @@ def rel_err(out, ref):
 
 
 def numpy_kda(q, k, v, g, beta, scale=None, h0=None, segment_ids=None):
-    """float64 token loop written from the recurrence in research/kda.md §1; shares no code with k3jax."""
+    """float64 token loop written from the KDA recurrence; shares no code with k3jax."""
     q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC §5): routing, dropless grouped experts (ragged_dot, and the padded tiles that run
+"""Stable LatentMoE: routing, dropless grouped experts (ragged_dot, and the padded tiles that run
 on CPU) and the layer against dense per-token float64 numpy loops; gradients against dense jnp
 formulations; FLOPs that scale with top_k, in the program and in XLA:CPU's compiled cost."""
 
@@ -26,7 +26,7 @@ def np_sigmoid(x):
 
 
 def np_glu(gate, up, activation, beta=4.0, linear_beta=25.0):
-    if activation == "situ_glu":  # SPEC §5: softcap(g, 4) * sigmoid(g) * softcap(u, 25)
+    if activation == "situ_glu":  # K3: softcap(g, 4) * sigmoid(g) * softcap(u, 25)
         return beta * np.tanh(gate / beta) * np_sigmoid(gate) * (linear_beta * np.tanh(up / linear_beta))
     return gate * np_sigmoid(gate) * up  # SwiGLU
 
@@ -45,7 +45,7 @@ def np_route(x_n, router, bias, top_k, rsf, renormalize=True):
 
 
 def np_moe(x, P, cfg, bias):
-    """Dense per-token loop of SPEC §5 in float64. x [N, d]; P: the layer's params as float64 arrays."""
+    """Dense per-token loop of the K3 MoE in float64. x [N, d]; P: the layer's params as float64 arrays."""
     m = cfg.moe
     out = np.zeros_like(x)
     selections = []

@@ -12,7 +12,7 @@
    jaxlib's Triton dialect. What this cannot catch: Triton's own compilation to PTX (register pressure,
    shared memory) and run-time behaviour; those need a GPU (see docs/kernels.md).
 
-Tolerances (research/kda.md §7 metric: RMSE(out - ref) / RMS(ref) for KDA) are those of the TPU kernels
+Tolerances (fla's metric: RMSE(out - ref) / RMS(ref) for KDA) are those of the TPU kernels
 (``test_pallas_kda.py`` / ``test_pallas_moe.py`` explain them): the GPU kernels do the same fp32 algebra
 (anchored 16-token tiles, fp32 state, bf16 operands with fp32 accumulation for bf16 inputs) in a different
 order. Measured here (interpret mode): fp32 KDA <= 2e-6 (dense tiles; dg 1.9e-6, the rest ~2e-7) and

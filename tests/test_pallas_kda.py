@@ -1,6 +1,6 @@
 """Pallas chunkwise KDA (interpret mode on CPU) against the pure-JAX reference ``k3jax.ops.chunk_kda``.
 
-Errors are fla's metric (research/kda.md §7): RMSE(out - ref) / RMS(ref). Tolerances:
+Errors are fla's metric: RMSE(out - ref) / RMS(ref). Tolerances:
 
 - fp32 inputs: the kernel and the reference do the same fp32 algebra in a different order (anchored
   16-token tiles, a doubling-based triangular inverse instead of a substitution), so they differ by

@@ -2,7 +2,7 @@
 
 This catches Mosaic lowering errors (block shapes, layouts, unsupported ops) that interpret mode never
 sees. Mosaic kernels cannot be auto-partitioned, so each program is wrapped in ``jax.shard_map`` over a
-one-device mesh of the topology (research/jax_ecosystem.md §1.8). Shapes are the full K3 ones: KDA with
+one-device mesh of the topology. Shapes are the full K3 ones: KDA with
 H = 96, K = V = 128, chunk 64 (bf16 q/k/v, fp32 gate/beta/state); experts 3584 -> 3072 -> 3584 with
 896 experts for the raw kernels (one weight at a time: 19.7 GB in bf16) and 112 experts (an 8-way
 expert-parallel shard) for the full GLU forward + backward.

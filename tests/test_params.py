@@ -1,4 +1,4 @@
-"""Parameter counts (SPEC §9): the CLI's figures for K3 and K2, and a real model's leaves for tiny."""
+"""Parameter counts: the CLI's figures for K3 and K2, and a real model's leaves for tiny."""
 
 import json
 import math

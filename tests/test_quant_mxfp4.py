@@ -162,7 +162,7 @@ def test_aiter_rule_grid_exactness_except_at_peak_six():
 
 
 def aiter_f32_to_e8m0(x: np.ndarray) -> np.ndarray:
-    """AITER's f32_to_e8m0 bit trick (as reconstructed in research/k3_format.md §4.3)."""
+    """AITER's f32_to_e8m0 bit trick."""
     u = np.asarray(x, np.float32).view(np.uint32)
     exponent = (u >> 23) & 0xFF
     round_up = ((u & 0x400000) > 0) & (((u & 0x200000) > 0) | ((u & 0x1FFFFF) > 0) | (exponent > 0))

@@ -1,4 +1,4 @@
-"""Gated FFN activations: SiTU-GLU (K3, SPEC §5) and SwiGLU (K2, Kimi Linear).
+"""Gated FFN activations: SiTU-GLU (K3) and SwiGLU (K2, Kimi Linear).
 
 Both take the two branch pre-activations ``gate = x @ W_gate`` and ``up = x @ W_up`` and return the
 input of the down projection, computed in float32 (SiTU's soft caps bound every element by

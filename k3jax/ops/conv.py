@@ -1,4 +1,4 @@
-"""Depthwise causal 1-D convolution over time: KDA's short convolution (SPEC §2, width 4)."""
+"""Depthwise causal 1-D convolution over time: KDA's short convolution (width 4 in K3)."""
 
 import jax.numpy as jnp
 

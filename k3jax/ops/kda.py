@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): gated delta rule with a per-channel decay (SPEC §2, research/kda.md).
+"""Kimi Delta Attention (KDA): gated delta rule with a per-channel decay (docs/kernels.md).
 
 Layouts follow flash-linear-attention (fla):
 
@@ -164,7 +164,7 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, chunk_size=64, segment_ids=None
 ):
-    """Chunkwise-parallel KDA (research/kda.md §6.1), equal to ``recurrent_kda`` up to rounding.
+    """Chunkwise-parallel KDA (docs/kernels.md), equal to ``recurrent_kda`` up to rounding.
 
     Shapes as in the module docstring; any T works (the tail is padded with ``g = beta = q = k = v
     = 0``, which leaves the state unchanged, and sliced off). The chunk is ``min(chunk_size, T)``

@@ -8,7 +8,7 @@ g <= 0), chunkwise KDA needs score matrices
 for x = q and x = k. Forming the pairwise decays ``exp(G_i - G_j)`` costs ``C * C * K`` per chunk. Here
 (as in fla's chunk kernels and ``pallas_kernels/kda/_math.py``) the chunk is split into sub-tiles of
 ``SUBTILE = 16`` rows. A pair (i, j) with i in sub-tile a and j in an earlier sub-tile b factors through
-the *anchor* ``c_a = G`` at the row before sub-tile a (research/kda.md §6.3):
+the *anchor* ``c_a = G`` at the row before sub-tile a (docs/kernels.md):
 
     exp(G_i - G_j) = exp(G_i - c_a) * exp(c_a - G_j),   both factors <= 1 (sums of g over forward ranges)
 

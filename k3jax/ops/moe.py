@@ -31,7 +31,7 @@ class Routing(NamedTuple):
 
 def sigmoid_topk_route(logits: jax.Array, bias: jax.Array | None, top_k: int, *, renormalize: bool = True,
                        scaling_factor: float = 1.0) -> Routing:
-    """Sigmoid router with a selection-only bias (SPEC §5).
+    """Sigmoid router with a selection-only bias (K3's Stable LatentMoE router).
 
     logits ``[N, E]`` (computed in float32 from the full-width x). Selection uses ``s + bias``; the
     combine weights use the raw scores ``s``, renormalised over the selected experts and scaled.

@@ -6,7 +6,7 @@ Everything here works on one chunk of one (batch, head): ``C`` tokens split into
 formed from short same-sign sums and stays accurate to ``eps * |exponent|`` for any g <= 0 (a plain
 chunk cumsum would lose ``eps * |G|`` when G is large and ``G_i - G_j`` small).
 
-Anchors (research/kda.md §6.3): sub-tile ``a``'s anchor is the chunk cumsum at the row *before* its first
+Anchors (docs/kernels.md): sub-tile ``a``'s anchor is the chunk cumsum at the row *before* its first
 row, ``c_a = G_{a*BC - 1}`` (``0`` for a = 0), i.e. strictly in the causal past of every row of the
 sub-tile and fixed. The score between query row ``i`` (sub-tile a) and key row ``j`` (sub-tile b) is
 
@@ -220,11 +220,6 @@ def chunk_forward(q, k, kb, vb, Gs, seg, S, *, BC, exact, mmdt):
     d = row_to_col(jnp.exp(tl.G_last) * no_reset)
     S_new = S * d + mm(k_out.astype(mmdt), delta.astype(mmdt), trans_a=True)
     return o, S_new
-
-
-def col_to_row(x):
-    """[K, 1] -> [1, K] (exact: a 0/1 matmul against ones)."""
-    return mm(jnp.ones((8, 1), F32), x, trans_b=True)[0:1]
 
 
 def chunk_backward(q, k, kb, vb, Gs, seg, S, dO, dSp, *, BC, exact, mmdt):

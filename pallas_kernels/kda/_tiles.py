@@ -10,7 +10,7 @@ power-of-two register blocks with no slicing, no row concatenation and 2-D ``tl.
 reductions and ``[1, K] <-> [K, 1]`` reshapes. The strictly-upper tiles (all zero) are never formed,
 which also halves the score and inverse work of the full-chunk form.
 
-Anchors (research/kda.md §6.3): the score between query row ``i`` of sub-tile ``a`` and key row ``j`` of
+Anchors (docs/kernels.md): the score between query row ``i`` of sub-tile ``a`` and key row ``j`` of
 sub-tile ``b <= a`` is ``exp(Gs_i) * F_ab[j]`` with ``F_ab = exp(c_a - G_j)`` and the anchor ``c_a`` the chunk
 cumsum at the row before sub-tile ``a`` (causal past, fixed): ``F_ab <= 1`` for ``b < a``; on the diagonal
 ``F_aa = exp(-Gs_j)`` (dense path, needs every 16-token sum of g >= -80, e.g. the K3 gate g > -5) or the
