@@ -7,11 +7,11 @@ of the suite runs on one device.
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from cpu_devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -101,16 +101,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_on_8_devices(script: str) -> str:
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
-    return r.stdout
-
-
 @pytest.mark.slow
 def test_expert_exchanges_match_single_device():
-    print(run_on_8_devices(SCRIPT))
+    print(run_on_cpu_devices(SCRIPT))
 
 
 @pytest.mark.tpu_aot

@@ -7,12 +7,11 @@ whose documents cross the sequence shards. Each check runs in a subprocess: the 
 before JAX starts, and the rest of the suite runs on one device.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from cpu_devices import run_on_cpu_devices
 
 SETUP = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -124,18 +123,11 @@ TRAIN_STEP = SETUP + textwrap.dedent("""
 """)
 
 
-def run_on_8_devices(script: str) -> str:
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
-    return r.stdout
-
-
 @pytest.mark.slow
 def test_forward_and_gradients_match_single_device_on_every_axis():
-    print(run_on_8_devices(FORWARD))
+    print(run_on_cpu_devices(FORWARD))
 
 
 @pytest.mark.slow
 def test_train_step_with_data_expert_sequence_parallelism_matches_one_device():
-    print(run_on_8_devices(TRAIN_STEP))
+    print(run_on_cpu_devices(TRAIN_STEP, timeout=1200))

@@ -24,6 +24,8 @@ from k3jax.params import count_params
 from k3jax.quant.deploy import expert_memory, packed_config, to_packed
 from k3jax.quant.packed import MXFP4Bytes, MXFP4Weight
 
+from cpu_devices import run_on_cpu_devices
+
 pytestmark = pytest.mark.usefixtures("fast_xla")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -219,6 +221,4 @@ SHARDED = textwrap.dedent("""
 def test_packed_experts_under_expert_parallelism():
     """8 fake CPU devices: a packed MXFP4 + MXFP8 model sharded (data, fsdp, expert) computes what it
     computes on one device."""
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    run_on_cpu_devices(SHARDED)

@@ -1,9 +1,6 @@
 """Sharding rules and meshes on 8 fake CPU devices (run in a subprocess: the device count must be
 set before JAX starts, and the rest of the suite runs on one device)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -11,6 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config import MeshConfig
 from k3jax.sharding import DEFAULT_RULES, logical_to_spec
+
+from cpu_devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -36,9 +35,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_forward_matches_single_device():
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_on_cpu_devices(SCRIPT)
 
 
 def test_logical_rules_first_free_axis():
