@@ -196,6 +196,7 @@ class Engine:
         metrics, self.metrics = self.metrics, Metrics()  # the dummy requests are not served traffic
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             for n in sorted({1, min(2, self.prefill_batch)}):  # the batch-1 and the batched prefill
+                self._rows = [None] * self.max_batch  # the dummies' rows are free again
                 self._start_prefill([Sequence([0], SamplingParams(max_tokens=1), lambda t: None, lambda r: None)
                                      for _ in range(n)])
                 while self._prefill is not None:
