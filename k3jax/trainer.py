@@ -13,6 +13,7 @@ the learning rate at the resumed step is refused unless ``reschedule=True``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import pathlib
 import shutil
 import signal
@@ -194,6 +195,18 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
             return _train(cfg, mesh, out, reschedule, sample_tokens)
 
 
+def _compile_together(step_fn, *args) -> None:
+    """Several processes: each compiles the step, then all wait at the coordination service's barrier
+    (no device collective) before the first step runs. Gloo gives a peer 30 s to join a collective,
+    and processes compiling on a busy machine can finish further apart than that."""
+    if jax.process_count() == 1:
+        return
+    step_fn.lower(*args).compile()
+    from jax._src import distributed  # noqa: PLC0415 - the public API's barriers are device collectives
+
+    distributed.global_state.client.wait_at_barrier("k3jax_train_step_compiled", timeout_in_ms=3_600_000)
+
+
 def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens: int) -> dict:
     tc = cfg.train
     main_process = distributed.is_main_process()
@@ -242,9 +255,14 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     # Trace the step from empty trace caches: what the eager set-up left in them changes how the
     # step's jitted helpers are shared in its module, hence the persistent compilation cache key.
     jax.clear_caches()
+    batches = (shard_batch(b, mesh) for b in train_iter)
+    if step < tc.steps:
+        first = next(batches)
+        _compile_together(step_fn, state, first)
+        batches = itertools.chain([first], batches)
     with _StopRequest() as stop:
         while step < tc.steps and not _agreed(stop.requested):
-            state, metrics = step_fn(state, shard_batch(next(train_iter), mesh))
+            state, metrics = step_fn(state, next(batches))
             step += 1
             bar.update(1)
             tokens_seen += float(metrics["tokens"])
