@@ -195,16 +195,17 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
             return _train(cfg, mesh, out, reschedule, sample_tokens)
 
 
-def _compile_together(step_fn, *args) -> None:
-    """Several processes: each compiles the step, then all wait at the coordination service's barrier
-    (no device collective) before the first step runs. Gloo gives a peer 30 s to join a collective,
-    and processes compiling on a busy machine can finish further apart than that."""
-    if jax.process_count() == 1:
-        return
-    step_fn.lower(*args).compile()
+def _compile_together(step_fn, state, batches):
+    """Several processes: each compiles the step for the first batch, then all wait at the
+    coordination service's barrier (no device collective) before the first step runs. Gloo gives a
+    peer 30 s to join a collective, and processes compiling on a busy machine can finish further
+    apart than that. Returns the batches, the first one included."""
+    first = next(batches)
+    step_fn.lower(state, first).compile()  # the step's own call then loads it from the compilation cache
     from jax._src import distributed  # noqa: PLC0415 - the public API's barriers are device collectives
 
     distributed.global_state.client.wait_at_barrier("k3jax_train_step_compiled", timeout_in_ms=3_600_000)
+    return itertools.chain([first], batches)
 
 
 def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens: int) -> dict:
@@ -256,10 +257,8 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     # step's jitted helpers are shared in its module, hence the persistent compilation cache key.
     jax.clear_caches()
     batches = (shard_batch(b, mesh) for b in train_iter)
-    if step < tc.steps:
-        first = next(batches)
-        _compile_together(step_fn, state, first)
-        batches = itertools.chain([first], batches)
+    if jax.process_count() > 1 and step < tc.steps:
+        batches = _compile_together(step_fn, state, batches)
     with _StopRequest() as stop:
         while step < tc.steps and not _agreed(stop.requested):
             state, metrics = step_fn(state, next(batches))
