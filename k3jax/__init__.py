@@ -11,7 +11,7 @@ __all__ = ["Config", "K3Model", "ModelConfig", "abstract_model", "create_model",
 def __getattr__(name):
     # HF interop pulls in safetensors / tokenizer code: import it only when asked for.
     if name in ("from_hf", "to_hf"):
-        from k3jax.interop import hf_weights
+        from k3jax import interop
 
-        return getattr(hf_weights, name)
+        return getattr(interop, name)
     raise AttributeError(f"module 'k3jax' has no attribute {name!r}")

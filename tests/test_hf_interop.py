@@ -26,9 +26,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from k3jax.config import load_config  # noqa: E402
-from k3jax.interop import hf_weights, mxfp4  # noqa: E402
+from k3jax.interop import hf_names, mxfp4  # noqa: E402
 from k3jax.interop.hf_config import HFConfigError, config_from_hf, config_to_hf  # noqa: E402
-from k3jax.interop.hf_weights import from_hf, to_hf  # noqa: E402
+from k3jax.interop import from_hf, to_hf  # noqa: E402
+from k3jax.interop.model_leaves import model_variables  # noqa: E402
 from k3jax.interop.safetensors_io import SafetensorsFile  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 
@@ -218,7 +219,7 @@ def test_lower_bound_gate_matches_glm5_next():
 
 def leaves(model) -> dict:
     out = {}
-    for path, v in hf_weights._iter_variables(model).items():  # packed experts: their packed / scale leaves
+    for path, v in model_variables(model).items():  # packed experts: their packed / scale leaves
         out[path] = np.asarray(v.get_raw_value())
     return out
 
@@ -238,6 +239,8 @@ def test_kimi_linear_roundtrip_and_hf_reads_export(kimi_linear_ckpt, kimi_linear
     out = tmp_path / "export"
     to_hf(kimi_linear_loaded, out, model_type="kimi_linear", max_shard_size="150KB")
     assert (out / "model.safetensors.index.json").exists()
+    # the token ids of the loaded config.json are carried to the export
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
     again = from_hf(out, overrides=["kda.chunk_size=8"])
     assert again.cfg == kimi_linear_loaded.cfg
     assert_same_leaves(again, kimi_linear_loaded)
@@ -278,7 +281,7 @@ def test_bf16_export_keeps_release_float32_tensors(kimi_linear_loaded, tmp_path)
         assert f.dtype("model.layers.1.block_sparse_moe.gate.e_score_correction_bias") == "F32"
     m = from_hf(out, dtype=jnp.bfloat16)
     assert m.cfg.param_dtype == "bfloat16" and m.embed[...].dtype == jnp.bfloat16
-    routers = [v for p, v in hf_weights._iter_variables(m).items() if p[-1] in ("router", "A_log", "dt_bias")]
+    routers = [v for p, v in model_variables(m).items() if p[-1] in ("router", "A_log", "dt_bias")]
     assert routers and all(v[...].dtype == jnp.float32 for v in routers)  # k3jax keeps these in fp32
 
 
@@ -296,8 +299,8 @@ def k3_tiny_config():
 def randomize_k3(model, seed: int, *, mxfp4_grid: bool = True):
     """Every leaf away from init, at O(1)-activation scales; routed experts on the MXFP4 grid."""
     rng = np.random.default_rng(seed)
-    variables = hf_weights._iter_variables(model)
-    kinds = {b.leaf: b for b in hf_weights.bindings(model.cfg, model.plan, "kimi_k3")}
+    variables = model_variables(model)
+    kinds = {b.leaf: b for b in hf_names.bindings(model.cfg, model.plan, "kimi_k3")}
     for path, var in variables.items():
         val = var.get_raw_value()
         shape, name = val.shape, path[-1]
@@ -321,7 +324,7 @@ def randomize_k3(model, seed: int, *, mxfp4_grid: bool = True):
         elif name == "embed":
             new = rng.standard_normal(shape)
         else:
-            fan_in = block[0] if b.kind == hf_weights.LINEAR else int(np.prod(block[:-1]))
+            fan_in = block[0] if b.kind == hf_names.LINEAR else int(np.prod(block[:-1]))
             new = rng.standard_normal(shape) / math.sqrt(fan_in) * (3.0 if name == "router" else 1.0)
             if b.expert and mxfp4_grid:
                 new = np.swapaxes(mxfp4.quantize_dequantize(np.swapaxes(new, -1, -2).astype(np.float32)), -1, -2)
@@ -758,9 +761,11 @@ def test_mesh_placement(kimi_linear_ckpt):
     path, _ = kimi_linear_ckpt
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
     m = from_hf(path, mesh=mesh, rules={"vocab": "model", "expert": "model", "heads": "model"})
-    for v in hf_weights._iter_variables(m).values():
+    for v in model_variables(m).values():
         assert isinstance(v.get_raw_value().sharding, jax.sharding.NamedSharding)
-    assert m.embed.get_raw_value().sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert m.embed.get_raw_value().sharding.mesh == mesh  # a size-1 axis splits nothing (k3jax.sharding's rule)
+    with pytest.raises(ValueError, match="mesh has no axis 'tensor'"):
+        from_hf(path, mesh=mesh, rules={"vocab": "tensor"})
 
 
 _MESH_SCRIPT = r"""
@@ -769,18 +774,18 @@ sys.path.insert(0, sys.argv[2])
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from k3jax.interop import from_hf
-from k3jax.interop.hf_weights import _iter_variables
+from k3jax.interop.model_leaves import model_variables
 assert len(jax.devices()) == 4
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 rules = {"vocab": "model", "expert": "data", "heads": "model", "mlp": "model"}
 m = from_hf(sys.argv[1], mesh=mesh, rules=rules, overrides=["kda.chunk_size=8"])
 ref = from_hf(sys.argv[1], overrides=["kda.chunk_size=8"])
-v = _iter_variables(m)
+v = model_variables(m)
 assert v[("embed",)].get_raw_value().sharding == NamedSharding(mesh, P("model", None))
 w = [x for p, x in v.items() if p[-1] == "w_gate" and x.get_raw_value().ndim == 3][0]
 assert w.get_raw_value().sharding.spec == P("data", None, None), w.get_raw_value().sharding
 for p, x in v.items():
-    np.testing.assert_array_equal(np.asarray(x.get_raw_value()), np.asarray(_iter_variables(ref)[p].get_raw_value()))
+    np.testing.assert_array_equal(np.asarray(x.get_raw_value()), np.asarray(model_variables(ref)[p].get_raw_value()))
 print("ok")
 """
 
@@ -882,11 +887,11 @@ def test_convert_cli_roundtrip(kimi_linear_ckpt, tmp_path):
     orig = {}
     for f in src.glob("*.safetensors"):
         with SafetensorsFile(f) as sf:
-            orig.update({hf_weights._canonical(k): sf.get(k) for k in sf.keys()})
+            orig.update({hf_names.canonical_name(k): sf.get(k) for k in sf.keys()})
     new = {}
     for f in back.glob("*.safetensors"):
         with SafetensorsFile(f) as sf:
-            new.update({hf_weights._canonical(k): sf.get(k) for k in sf.keys()})
+            new.update({hf_names.canonical_name(k): sf.get(k) for k in sf.keys()})
     assert orig.keys() == new.keys()
     for k in orig:
         np.testing.assert_array_equal(orig[k], new[k], err_msg=k)

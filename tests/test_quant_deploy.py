@@ -17,7 +17,7 @@ from flax import nnx
 
 from k3jax import checkpoint
 from k3jax.config import Config, load_config
-from k3jax.interop import from_hf, hf_weights, mxfp4, to_hf
+from k3jax.interop import from_hf, hf_names, mxfp4, to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile
 from k3jax.model import abstract_model, create_model
 from k3jax.params import count_params
@@ -148,7 +148,7 @@ def test_export_holds_the_qat_values(exported, qat_model):
         packed = f.get(name + ".weight_packed")
     with SafetensorsFile(path / wm[name + ".weight_scale"]) as f:
         scale = f.get(name + ".weight_scale")
-    (bnd,) = [b for b in hf_weights.bindings(qat_model.cfg, qat_model.plan, "kimi_k3", "language_model.")
+    (bnd,) = [b for b in hf_names.bindings(qat_model.cfg, qat_model.plan, "kimi_k3", "language_model.")
               if b.hf == name]
     master = np.asarray(_leaf(qat_model, bnd.leaf))[bnd.index]  # (in, out) float32
     want_packed, want_scale = mxfp4.encode(master.T, rule=qat_model.cfg.quant.scale_rule)

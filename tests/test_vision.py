@@ -208,10 +208,10 @@ def test_hf_checkpoint_round_trip_with_vision(tmp_path):
     # the processor limits live in preprocessor_config.json, not config.json
     assert dataclasses.replace(again.cfg.vision, max_patches=cfg.vision.max_patches,
                                max_patches_per_side=cfg.vision.max_patches_per_side) == cfg.vision
-    for (p1, v1), (p2, v2) in zip(nnx.iter_graph(model), nnx.iter_graph(again)):
-        if isinstance(v1, nnx.Param):
-            assert p1 == p2
-            np.testing.assert_array_equal(np.asarray(v1[...]), np.asarray(v2[...]), err_msg=str(p1))
+    params = lambda m: [(p, v) for p, v in nnx.iter_graph(m) if isinstance(v, nnx.Param)]  # noqa: E731
+    for (p1, v1), (p2, v2) in zip(params(model), params(again), strict=True):
+        assert p1 == p2
+        np.testing.assert_array_equal(np.asarray(v1[...]), np.asarray(v2[...]), err_msg=str(p1))
     with pytest.warns(UserWarning, match="vision"):
         text_only = from_hf(tmp_path)
     assert not text_only.cfg.vision.enabled and not hasattr(text_only, "vision_tower")

@@ -18,6 +18,7 @@ ignored on import and carried through ``extra`` for export.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import warnings
 from typing import Any
@@ -31,6 +32,7 @@ HF_MLA_NORM_EPS = 1e-6
 # Keys carried from an imported config to an export (no effect on the maths).
 _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "ignore_index", "image_placeholder",
                  "media_placeholder_token_id")
+_CARRIED_ATTR = "hf_carried_config"  # where a loaded model keeps them (carry_config)
 
 
 class HFConfigError(ValueError):
@@ -562,5 +564,18 @@ def runtime_fields_equal(a: ModelConfig, b: ModelConfig) -> bool:
     return strip(a) == strip(b)
 
 
-__all__ = ["HFConfigError", "HFInfo", "MODEL_TYPES", "check_exportable", "config_from_hf", "config_to_hf",
-           "model_type_of", "mxfp4_quantization_config", "runtime_fields_equal"]
+def carry_config(model, extra: dict) -> None:
+    """Keep ``extra`` (the carried keys of the config.json ``model`` was loaded from) on the model,
+    so that ``to_hf`` writes them back. Stored as a JSON string: a static, hashable attribute of the
+    model's graph, so it follows the model through ``nnx.split`` / ``merge`` and is no part of its
+    state (a checkpoint does not hold it; ``k3jax.convert --tokenizer-from`` supplies the token ids)."""
+    setattr(model, _CARRIED_ATTR, json.dumps(extra, sort_keys=True))
+
+
+def carried_config(model) -> dict:
+    """The keys ``carry_config`` kept on ``model`` ({} for a model not loaded by ``from_hf``)."""
+    return json.loads(getattr(model, _CARRIED_ATTR, "{}"))
+
+
+__all__ = ["HFConfigError", "HFInfo", "MODEL_TYPES", "carried_config", "carry_config", "check_exportable",
+           "config_from_hf", "config_to_hf", "model_type_of", "mxfp4_quantization_config", "runtime_fields_equal"]
