@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 from k3jax.config import ModelConfig, from_dict, parse_overrides, without_runtime_fields
+from k3jax.config.loading import merge_nested
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2")
 # MLA's q_a_layernorm / kv_a_layernorm: the HF modeling code (kimi_linear, deepseek_v3, K3's
@@ -344,12 +345,10 @@ def _dtype_name(dtype) -> str:
 
 
 def _build(model: dict, overrides) -> ModelConfig:
-    from k3jax.config import _merge  # nested-dict merge shared with load_config
-
     if overrides:
         extra = parse_overrides(list(overrides))
         extra = extra.get("model", extra)
-        model = _merge(model, extra)
+        model = merge_nested(model, extra)
     return from_dict({"name": "hf", "model": model}).model
 
 
