@@ -377,8 +377,4 @@ def render_xtml(messages: Sequence[Mapping], *, tools: Sequence[Mapping] | None 
     return r.segments
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    return Tokenizer.from_dir(path)
-
-
-__all__ = ["PAT_STR", "Segment", "Tokenizer", "load_ranks", "load_tokenizer", "render_xtml"]
+__all__ = ["PAT_STR", "Segment", "Tokenizer", "load_ranks", "render_xtml"]

@@ -132,12 +132,14 @@ def _load_tiktoken(path: pathlib.Path):
         cfg_file = directory / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         return kimi_tokenizer.Tokenizer(kimi_tokenizer.load_ranks(path), cfg)
-    return kimi_tokenizer.load_tokenizer(directory)
+    return kimi_tokenizer.Tokenizer.from_dir(directory)
 
 
 def load_tokenizer(spec: str) -> TextTokenizer:
     """``"byte"``, a ``tokenizer.json`` (file or directory) or a ``tiktoken.model`` (file or
-    directory; also ``*.tiktoken``). Raises ``FileNotFoundError`` / ``ValueError`` with the reason."""
+    directory; also ``*.tiktoken``). Raises ``FileNotFoundError`` / ``ValueError`` with the reason.
+    The one loader of the project: training and ``infer.py`` (hence serving) take their tokenizer here
+    (a release directory gives :class:`k3jax.tokenizer.Tokenizer`, with its chat template)."""
     if spec in ("byte", "bytes"):
         return ByteTokenizer()
     path = pathlib.Path(spec).expanduser()
