@@ -68,8 +68,9 @@ from k3jax.data.images import IMAGE_KEY_PREFIX  # noqa: E402
 from k3jax.model import K3Model, abstract_model  # noqa: E402
 from k3jax.optim import group_table, normalize_path  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Rules, abstract_with_shardings, parse_mesh,  # noqa: E402
-                            cache_shardings, logical_to_spec, make_mesh, state_shardings)
+from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,  # noqa: E402
+                            batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding, parse_mesh,
+                            state_shardings)
 from k3jax.training import abstract_train_state, make_train_step  # noqa: E402
 
 GIB = 1024**3
@@ -88,7 +89,6 @@ V5P_SHAPES = {
 }
 _CUBE = 4  # a full v5p cube is 4x4x4 chips; slices of whole cubes are wrapped into a 3D torus
 _CHIPS_PER_HOST = (2, 2, 1)
-BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
 _BATCH_DTYPES = {"loss_mask": jnp.float32}  # the data pipeline's dtypes; the rest are int32
 
 
@@ -215,8 +215,9 @@ def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES,
     an enabled vision tower, the packed-image arrays of ``k3jax.data.images`` (``vision.max_patches``
     patch slots per row), split along the batch only."""
     shape = (batch, seq_len)
-    sharding = NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
-    out = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
+    out = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32),
+                                   sharding=named_sharding(mesh, batch_array_axes(k, len(shape)), shape, rules))
+           for k in TEXT_BATCH_KEYS}
     if vision is not None and vision.enabled:
         p, m, side = vision.max_patches, vision.merge_size, vision.patch_size
         merged = p // (m * m)
@@ -224,8 +225,9 @@ def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES,
                   "merged_valid": ((batch, merged), jnp.bool_),
                   **{f: ((batch, p), jnp.int32) for f in ("segment_ids", "rows", "cols", "grid_h", "grid_w")}}
         for name, (shp, dtype) in fields.items():
-            spec = logical_to_spec(("batch",) + (None,) * (len(shp) - 1), rules, mesh, shp)
-            out[IMAGE_KEY_PREFIX + name] = jax.ShapeDtypeStruct(shp, dtype, sharding=NamedSharding(mesh, spec))
+            key = IMAGE_KEY_PREFIX + name
+            out[key] = jax.ShapeDtypeStruct(shp, dtype, sharding=named_sharding(mesh, batch_array_axes(key, len(shp)), shp,
+                                                                                rules))
     return out
 
 

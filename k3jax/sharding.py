@@ -2,7 +2,7 @@
 
 Every parameter carries logical axis names (``out_sharding`` metadata, e.g. ``('layers', 'expert',
 'expert_in', 'expert_mlp')``); optimizer state inherits its parameter's names (``nnx.Optimizer``
-copies the metadata), and batches and decoding caches get theirs here (:data:`BATCH_AXES`,
+copies the metadata), and batches and decoding caches get theirs here (:data:`BATCH_LOGICAL_AXES`,
 :data:`CACHE_AXES`). A rule table maps each logical name to mesh axes, so a user changes a layout
 without touching model code.
 
@@ -33,7 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.cache import KDACache, MLACache, ModelCache
 from k3jax.config import MeshConfig
-from k3jax.parallel.context import current_mesh
+from k3jax.parallel.context import BATCH_MESH_AXES, current_mesh
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
@@ -41,7 +41,7 @@ Rules = tuple[tuple[str, tuple], ...]
 
 # logical name -> candidate mesh axes (first usable one wins; a tuple entry shards over several axes).
 DEFAULT_RULES: Rules = (
-    ("batch", (("data", "fsdp", "expert"),)),
+    ("batch", (BATCH_MESH_AXES,)),
     ("length", ("sequence",)),
     # A decoding cache's slots: split over every axis the (often tiny) decode batch leaves free, so a
     # single 1M-token sequence is spread over the whole slice.
@@ -77,9 +77,9 @@ WEIGHT_USE_RULES: Rules = (
     ("expert_mlp", ("tensor",)),
 )
 
-# Logical axes of the training batch arrays (``tokens, segment_ids, positions, targets, loss_mask``).
-BATCH_AXES = ("batch", "length")
-_TEXT_BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+# The text arrays of a training batch (``k3jax.data``), all ``[B, T]``, and their logical axes.
+TEXT_BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
+BATCH_LOGICAL_AXES = ("batch", "length")
 
 # Logical axes of the decoding cache's arrays (``k3jax.cache``), without the leading stacked-group
 # axis that the scanned layers' caches carry (it gets ``layers``).
@@ -218,22 +218,27 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, shape: Sequence[int] | None = None) -> NamedSharding:
     """Sharding of ``[B, T]`` input arrays: batch over the data-like axes, length over ``sequence``
     (axes that do not divide ``shape``, when given, are left out)."""
-    return NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules, mesh, shape))
+    return NamedSharding(mesh, logical_to_spec(BATCH_LOGICAL_AXES, rules, mesh, shape))
+
+
+def batch_array_axes(key: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the batch array ``key``: :data:`BATCH_LOGICAL_AXES` for the ``[B, T]`` text
+    arrays, the batch dimension alone for the rest (a vision batch's packed ``image_*`` arrays)."""
+    return BATCH_LOGICAL_AXES if ndim == 2 and key in TEXT_BATCH_KEYS else ("batch",) + (None,) * (ndim - 1)
 
 
 def shard_batch(batch: dict, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays on ``mesh``.
 
-    ``[B, T]`` text arrays are split as :data:`BATCH_AXES`; other arrays (a vision batch's packed
-    ``image_*`` patches ``[B, P, ...]``) along their batch dimension only. Every process passes its
+    Each array is split as :func:`batch_array_axes` says. Every process passes its
     own ``B / process_count`` rows (``k3jax.data`` reads them), in process order.
     """
     out = {}
     for key, local in batch.items():
         local = np.asarray(local)
         shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
-        axes = BATCH_AXES if local.ndim == 2 and key in _TEXT_BATCH_KEYS else ("batch",) + (None,) * (local.ndim - 1)
-        out[key] = jax.make_array_from_process_local_data(named_sharding(mesh, axes, shape, rules), local, shape)
+        sharding = named_sharding(mesh, batch_array_axes(key, local.ndim), shape, rules)
+        out[key] = jax.make_array_from_process_local_data(sharding, local, shape)
     return out
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType
 
-# Mesh axes that carry the batch, in the order `k3jax.sharding.MESH_AXES` lays them out.
-BATCH_AXES = ("data", "fsdp", "expert")
+# Mesh axes that carry the batch, in the order `k3jax.sharding.MESH_AXES` lays them out (the
+# ``batch`` rule of `k3jax.sharding.DEFAULT_RULES` is this tuple).
+BATCH_MESH_AXES = ("data", "fsdp", "expert")
 SEQUENCE_AXIS = "sequence"
 TENSOR_AXIS = "tensor"
 EXPERT_AXIS = "expert"

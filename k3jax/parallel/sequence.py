@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import conv as conv_ops
 from k3jax.ops import kda as kda_ops
-from k3jax.parallel.context import (BATCH_AXES, SEQUENCE_AXIS, TENSOR_AXIS, axis_size, current_mesh,
+from k3jax.parallel.context import (BATCH_MESH_AXES, SEQUENCE_AXIS, TENSOR_AXIS, axis_size, current_mesh,
                                     spec_entry, split_axes)
 
 # The KDA state fold runs in full float32 precision, like chunk_kda's own matmuls.
@@ -51,7 +51,7 @@ def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None) -> int:
 
 def _specs(mesh, batch: int, heads: int):
     """(batch entry, heads entry) of the PartitionSpecs inside the shard_map."""
-    return spec_entry(split_axes(mesh, BATCH_AXES, batch)), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
+    return spec_entry(split_axes(mesh, BATCH_MESH_AXES, batch)), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
 
 
 # --------------------------------------------------------------------------------------- short conv
