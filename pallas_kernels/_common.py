@@ -5,20 +5,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.platform import target_platform
+
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def target_platform():
-    """The platform the program is built for: that of the current mesh (``jax.set_mesh``; also inside
-    ``shard_map`` and during AOT compilation for a TPU topology on a CPU host), else the default backend."""
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-        device = getattr(mesh, "abstract_device", None)
-        if device is not None and not mesh.empty:
-            return device.platform
-    except Exception:  # no mesh API / no mesh set
-        pass
-    return jax.default_backend()
 
 
 def out_struct(shape, dtype, like):
@@ -48,7 +37,7 @@ def resolve(interpret, backend):
     """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
 
     backend: ``"tpu"`` (Mosaic TPU), ``"gpu"`` (Triton) or None (the target platform's; on CPU the TPU
-    kernel is interpreted). interpret: None = interpret when the target platform (``target_platform``)
+    kernel is interpreted). interpret: None = interpret when the target platform (``pallas_kernels.platform.target_platform``)
     is neither a TPU nor a GPU; True = the generic Pallas interpreter; a ``pltpu.InterpretParams`` is
     passed through (TPU-semantics interpreter: simulated VMEM/DMA, NaN-filled scratch).
 

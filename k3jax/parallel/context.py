@@ -51,10 +51,3 @@ def spec_entry(axes: tuple[str, ...]):
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
-
-
-def platform(mesh) -> str:
-    """Platform the mesh's devices belong to ('cpu', 'tpu', 'gpu'): the compile target, which for an
-    AOT compile against a TPU topology differs from ``jax.default_backend()``."""
-    device = getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()

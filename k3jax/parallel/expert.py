@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax import kernels
-from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, platform, spec_entry, split_axes
+from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, spec_entry, split_axes
+from pallas_kernels.platform import target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
 
@@ -54,7 +55,7 @@ DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
 def resolve_dispatch(dispatch: str, mesh) -> str:
     """``auto`` -> the backend's exchange (the mesh's platform, which AOT compiles set to TPU)."""
     if dispatch == "auto":
-        return "ragged_all_to_all" if platform(mesh) in ("tpu", "gpu") else "all_gather"
+        return "ragged_all_to_all" if target_platform(mesh) in ("tpu", "gpu") else "all_gather"
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"unknown expert-parallel dispatch {dispatch!r}; expected auto or one of {DISPATCH_MODES}")
     return dispatch
@@ -85,7 +86,7 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     token_axes = split_axes(mesh, mesh.axis_names, n)
     tokens = P(spec_entry(token_axes), None)
     expert_spec = P(EXPERT_AXIS if ep > 1 else None, None, None)
-    impl = kernels.resolve_moe_impl(impl, platform(mesh), quantized_inputs=act_quant is not None)
+    impl = kernels.resolve_moe_impl(impl, target_platform(mesh), quantized_inputs=act_quant is not None)
     body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
                              capacity_factor=capacity_factor,

@@ -338,8 +338,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     Extra keyword arguments:
 
-    - ``interpret``: None = interpret when the target platform (``_common.target_platform``: the current
-      mesh's, else the default device's) is neither TPU nor GPU; True = the generic Pallas interpreter
+    - ``interpret``: None = interpret when the target platform (``pallas_kernels.platform``: the
+      current mesh's, else the default device's) is neither TPU nor GPU; True = the generic Pallas interpreter
       (runs either backend's kernel on CPU); a ``pltpu.InterpretParams`` = the TPU-semantics interpreter.
     - ``backend``: ``"tpu"`` (Mosaic, this file), ``"gpu"`` (Triton, ``chunk_gpu.py``) or None (the
       target platform's; TPU on a CPU host).
