@@ -52,26 +52,21 @@ import sys
 import time
 from typing import Literal
 
-# Compiling for a TPU topology needs no TPU: keep JAX on the CPU (libtpu would otherwise try to
-# claim a local TPU), and let several processes load libtpu at once (tests run in parallel).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from k3jax import breakdown as hlo_breakdown  # noqa: E402
-from k3jax.config import Config, MeshConfig, VisionConfig, load_config  # noqa: E402
-from k3jax.data.images import IMAGE_KEY_PREFIX  # noqa: E402
-from k3jax.model import K3Model, abstract_model  # noqa: E402
-from k3jax.optim import group_table, normalize_path  # noqa: E402
-from k3jax.params import count_params  # noqa: E402
-from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,  # noqa: E402
+from k3jax import breakdown as hlo_breakdown
+from k3jax.config import Config, MeshConfig, VisionConfig, load_config
+from k3jax.data.images import IMAGE_KEY_PREFIX
+from k3jax.model import K3Model, abstract_model
+from k3jax.optim import group_table, normalize_path
+from k3jax.params import count_params
+from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding, parse_mesh,
                             state_shardings)
-from k3jax.training import abstract_train_state, make_train_step  # noqa: E402
+from k3jax.training import abstract_train_state, make_train_step
 
 GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
@@ -471,7 +466,18 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def _compile_on_cpu() -> None:
+    """The command line's process setup (importing this module sets nothing): compiling for a TPU
+    topology needs no TPU, so JAX's backends stay on the CPU (libtpu would otherwise try to claim a
+    local TPU) unless ``JAX_PLATFORMS`` says otherwise, and several processes may load libtpu at once.
+    A library caller of :meth:`TpuSlice.devices` sets the same (tests/conftest.py does)."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # the variable itself is read when jax is imported
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _compile_on_cpu()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="config name or path (default: run the PLAN)")
     ap.add_argument("--mode", choices=("train", "decode"), default="train")
