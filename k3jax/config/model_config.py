@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from k3jax.config.fields import check, check_choices, runtime
-from k3jax.quant.formats import GROUP_SIZE as MX_BLOCK
+from k3jax.quant.formats import DEFAULT_ACTIVATION_SCALE_RULE, DEFAULT_SCALE_RULE, GROUP_SIZE as MX_BLOCK, ScaleRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +167,8 @@ class QuantConfig:
     # MX scale rule (k3jax/quant/formats.py): "ceil" (default, the release's rule as far as its bytes
     # tell: the smallest scale that does not clip; idempotent), "aiter" (the same but ties round the
     # scale up, AITER's e8m0 rounding), "ocp" (the OCP spec's floor rule; clips block peaks).
-    scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"
-    activation_scale_rule: Literal["ceil", "aiter", "ocp"] = "ceil"  # MXFP8 inputs: the serving kernels' rule
+    scale_rule: ScaleRule = DEFAULT_SCALE_RULE
+    activation_scale_rule: ScaleRule = DEFAULT_ACTIVATION_SCALE_RULE  # MXFP8 inputs: the serving kernels' rule
 
 
 @dataclasses.dataclass(frozen=True)

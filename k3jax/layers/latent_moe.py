@@ -17,7 +17,7 @@ from k3jax.layers.norm import RMSNorm
 from k3jax.ops.moe import sigmoid_topk_route
 from k3jax.parallel.context import current_mesh
 from k3jax.parallel.expert import expert_parallel_experts
-from k3jax.quant.experts import activation_quantizer, expert_param, expert_weight
+from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
 
 
 class LatentMoE(nnx.Module):

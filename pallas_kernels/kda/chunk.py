@@ -34,15 +34,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref_kda
-from k3jax.ops import kda_chunk
 from pallas_kernels._common import compiler_params, resolve
 from pallas_kernels.kda import _math
+from pallas_kernels.kda._paths import BC, DENSE_MIN_GS, G_FLOOR, select_path
 
 F32 = jnp.float32
-# the sub-tile, the gate floor and the dense-path bound are the XLA op's (k3jax/ops/kda_chunk.py)
-BC = kda_chunk.SUBTILE  # every causal tile is BC x BC
-G_FLOOR = kda_chunk.G_FLOOR  # g is floored at -128 (exp underflows anyway)
-DENSE_MIN_GS = kda_chunk.DENSE_MIN_SUM  # dense diagonal tiles need every sub-tile sum of g >= -80
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,13 +255,6 @@ def _bwd_call(q, k, kb, vb, Gs, seg, hs, do, dhT, *, cfg, exact, B, H, N, K, V):
 # ----------------------------------------------------------------------------- custom VJP over the kernels
 
 
-def _select(exact_flag, cfg, fn):
-    """Run fn(exact) with the static choice, or lax.cond on the run-time flag."""
-    if cfg.exact is not None:
-        return fn(cfg.exact)
-    return jax.lax.cond(exact_flag, lambda: fn(True), lambda: fn(False))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _core(q, k, kb, vb, Gs, seg, h0, exact_flag, cfg, dims):
     """Kernel-layout inputs -> (o in kernel layout, final state)."""
@@ -274,7 +263,7 @@ def _core(q, k, kb, vb, Gs, seg, h0, exact_flag, cfg, dims):
 
 def _core_fwd(q, k, kb, vb, Gs, seg, h0, exact_flag, cfg, dims):
     B, H, N, K, V = dims
-    o, hT, _ = _select(exact_flag, cfg, lambda ex: _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H,
+    o, hT, _ = select_path(exact_flag, cfg, lambda ex: _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H,
                                                              N=N, K=K, V=V))
     return (o, hT), (q, k, kb, vb, Gs, seg, h0, exact_flag)
 
@@ -288,7 +277,7 @@ def _core_bwd(cfg, dims, res, cts):
         _, _, hs = _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H, N=N, K=K, V=V, emit_states=True)
         return _bwd_call(q, k, kb, vb, Gs, seg, hs, do, dhT, cfg=cfg, exact=ex, B=B, H=H, N=N, K=K, V=V)
 
-    dq, dk, dkb, dvb, dGs, dh0 = _select(exact_flag, cfg, run)
+    dq, dk, dkb, dvb, dGs, dh0 = select_path(exact_flag, cfg, run)
     return dq, dk, dkb, dvb, dGs, None, (None if h0 is None else dh0), None
 
 

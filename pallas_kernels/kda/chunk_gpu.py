@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from k3jax.ops import kda as ref_kda
 from pallas_kernels._common import next_pow2, triton_params
 from pallas_kernels.kda import _tiles
-from pallas_kernels.kda.chunk import BC, DENSE_MIN_GS, G_FLOOR, _select
+from pallas_kernels.kda._paths import BC, DENSE_MIN_GS, G_FLOOR, select_path
 
 F32 = jnp.float32
 MIN_DOT = 16  # tl.dot needs every block dim >= 16
@@ -237,7 +237,7 @@ def _core(q, k, kb, vb, Gs, seg, h0, exact_flag, cfg, dims):
 
 def _core_fwd(q, k, kb, vb, Gs, seg, h0, exact_flag, cfg, dims):
     B, H, N = dims
-    o, hT, _ = _select(exact_flag, cfg, lambda ex: _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H,
+    o, hT, _ = select_path(exact_flag, cfg, lambda ex: _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H,
                                                              N=N))
     return (o, hT), (q, k, kb, vb, Gs, seg, h0, exact_flag)
 
@@ -251,7 +251,7 @@ def _core_bwd(cfg, dims, res, cts):
         _, _, hs = _fwd_call(q, k, kb, vb, Gs, seg, h0, cfg=cfg, exact=ex, B=B, H=H, N=N, emit_states=True)
         return _bwd_call(q, k, kb, vb, Gs, seg, hs, do, dhT, cfg=cfg, exact=ex, B=B, H=H, N=N)
 
-    dq, dk, dkb, dvb, dGs, dh0 = _select(exact_flag, cfg, run)
+    dq, dk, dkb, dvb, dGs, dh0 = select_path(exact_flag, cfg, run)
     return dq, dk, dkb, dvb, dGs, None, (None if h0 is None else dh0), None
 
 
