@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,6 +276,7 @@ class K3Model(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        chex.assert_type(tokens, int)  # before check_token_ids compares float "ids" with the vocabulary
         b, t = tokens.shape
         for name, arr in (("segment_ids", segment_ids), ("positions", positions), ("token_valid", token_valid)):
             if arr is not None and arr.shape != tokens.shape:
@@ -311,6 +313,7 @@ class K3Model(nnx.Module):
         if images is not None:
             with jax.named_scope("vision"):
                 features = self.encode_images(images) if isinstance(images, VisionInputs) else images
+            chex.assert_shape(features, (b, None, cfg.hidden_size))  # [B, M, d]: one feature row per image token
             x = splice_image_features(x, tokens, features, cfg.vision.media_pad_id)
         if cfg.attn_res.enabled:
             carry = attn_res.init_state(x, cfg.attn_res.num_slots(cfg.num_layers))

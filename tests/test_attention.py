@@ -13,7 +13,6 @@ import pytest
 
 from k3jax.ops import attention as attn_ops
 
-pytestmark = pytest.mark.usefixtures("fast_xla")
 
 # jitted: eagerly, every primitive inside the loops would compile on its own
 chunked_attention = jax.jit(attn_ops.chunked_attention, static_argnames=("scale", "q_chunk", "kv_chunk"))
@@ -222,3 +221,16 @@ def test_mla_layer_chunked_equals_single_block(monkeypatch):
     assert len(calls) == 2  # both call sites go through chunked_attention
     for got, want in zip(blocked, one_block):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shape_mismatches_fail_at_trace_time():
+    """A wrong shape at the op's boundary is named there, not deep inside XLA's einsum."""
+    q = jnp.zeros((2, 5, 4, 8))
+    k, v = jnp.zeros((2, 7, 3, 8)), jnp.zeros((2, 7, 4, 6))  # 3 key heads for 4 query heads
+    idx_q, idx_k = jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 7), jnp.int32)
+    with pytest.raises(AssertionError, match="shape"):
+        jax.jit(lambda k: attn_ops.chunked_attention(q, k, v, idx_q, idx_k, scale=1.0))(k)
+    with pytest.raises(AssertionError, match="shape"):  # kv positions of the query length
+        attn_ops.chunked_attention(q, v[..., :8], v, idx_q, idx_q, scale=1.0)
+    with pytest.raises(AssertionError, match="shape"):
+        attn_ops.attention(q, v[..., :8], v, jnp.ones((2, 5, 5), bool), scale=1.0)

@@ -1,5 +1,6 @@
 """Causal softmax attention with packed-document masking (the MLA core)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -16,6 +17,24 @@ def attention_mask(q_index: jax.Array, kv_index: jax.Array, q_segment_ids: jax.A
     return mask
 
 
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_shaped=(), kv_shaped=()) -> None:
+    """Trace-time shape checks of the attention entry points (a mismatch would otherwise surface as an
+    einsum or broadcast error deep inside XLA): q ``[B, T, H, D]``, k ``[B, S, H or 1, D]``, v
+    ``[B, S, H or 1, Dv]``; the arrays of ``q_shaped`` are ``[B, T]`` and those of ``kv_shaped``
+    ``[B, S]`` (None entries skipped)."""
+    chex.assert_rank([q, k, v], 4)
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    chex.assert_shape(k, (b, s, {1, h}, d))
+    chex.assert_shape(v, (b, s, {1, h}, None))
+    for x in q_shaped:
+        if x is not None:
+            chex.assert_shape(x, (b, t))
+    for x in kv_shaped:
+        if x is not None:
+            chex.assert_shape(x, (b, s))
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float) -> jax.Array:
     """Softmax attention with float32 scores.
 
@@ -23,6 +42,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     (or ``[B, S, 1, Dv]``), mask ``[B, T, S]`` bool. Returns ``[B, T, H, Dv]`` in ``v.dtype``. A query
     row with no visible key (cannot happen for causal self-attention) returns zeros.
     """
+    _check_shapes(q, k, v)
+    chex.assert_shape(mask, (q.shape[0], q.shape[1], k.shape[1]))
     scores = jnp.einsum("bthd,bshd->bhts", q, jnp.broadcast_to(k, k.shape[:2] + q.shape[2:]),
                         preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -94,6 +115,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
     backward ``O(B·H·q_chunk·S)``. With ``T <= q_chunk`` and ``S <= kv_chunk`` this is one block, no
     loop: short sequences and decode steps pay nothing. T and S need not be multiples of the chunks.
     """
+    _check_shapes(q, k, v, (q_index, q_segment_ids), (kv_index, kv_segment_ids, kv_valid))
     b, t, h, _ = q.shape
     s, dv = k.shape[1], v.shape[-1]
     cq, ck = min(q_chunk, t), min(kv_chunk, s)
