@@ -37,6 +37,7 @@ from k3jax.ops import kda as ref_kda
 from pallas_kernels._common import compiler_params, resolve
 from pallas_kernels.kda import _math
 from pallas_kernels.kda._paths import BC, DENSE_MIN_GS, G_FLOOR, select_path
+from pallas_kernels.kda._reference_backward import with_reference_backward
 
 F32 = jnp.float32
 
@@ -284,30 +285,6 @@ def _core_bwd(cfg, dims, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _reference_bwd(q, k, v, g, beta, h0, segment_ids, cfg):
-    """The pure-JAX reference with its own autodiff (``backward="xla"``)."""
-    return ref_kda.chunk_kda(q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=True,
-                             chunk_size=cfg.C, segment_ids=segment_ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kda_xla_bwd(q, k, v, g, beta, h0, segment_ids, cfg):
-    return _kda_pallas(q, k, v, g, beta, h0, segment_ids, cfg)
-
-
-def _kda_xla_bwd_fwd(q, k, v, g, beta, h0, segment_ids, cfg):
-    return _kda_pallas(q, k, v, g, beta, h0, segment_ids, cfg), (q, k, v, g, beta, h0, segment_ids)
-
-
-def _kda_xla_bwd_bwd(cfg, res, cts):
-    q, k, v, g, beta, h0, segment_ids = res
-    _, vjp = jax.vjp(lambda *a: _reference_bwd(*a, segment_ids, cfg), q, k, v, g, beta, h0)
-    return (*vjp(cts), None)
-
-
-_kda_xla_bwd.defvjp(_kda_xla_bwd_fwd, _kda_xla_bwd_bwd)
-
-
 def _kda_pallas(q, k, v, g, beta, h0, segment_ids, cfg):
     """Preparation in XLA (differentiated by autodiff) around the kernel core."""
     B, T, H, K = q.shape
@@ -316,6 +293,9 @@ def _kda_pallas(q, k, v, g, beta, h0, segment_ids, cfg):
     flag = None if cfg.exact is not None else jax.lax.stop_gradient(jnp.min(Gs) < DENSE_MIN_GS)
     o, hT = _core(*ins, seg, h0, flag, cfg, (B, H, N, K, V))
     return _from_kernel_layout(o, H, cfg.heads_last)[:, :T], hT
+
+
+_kda_xla_bwd = with_reference_backward(_kda_pallas)  # backward="xla"
 
 
 # ----------------------------------------------------------------------------- public API

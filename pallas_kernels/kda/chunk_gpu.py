@@ -37,6 +37,7 @@ from k3jax.ops import kda as ref_kda
 from pallas_kernels._common import next_pow2, triton_params
 from pallas_kernels.kda import _tiles
 from pallas_kernels.kda._paths import BC, DENSE_MIN_GS, G_FLOOR, select_path
+from pallas_kernels.kda._reference_backward import with_reference_backward
 
 F32 = jnp.float32
 MIN_DOT = 16  # tl.dot needs every block dim >= 16
@@ -302,27 +303,7 @@ def _kda_gpu(q, k, v, g, beta, h0, segment_ids, cfg):
     return o.reshape(B, N * cfg.C, H, cfg.V)[:, :T, :, :V], hT[:, :, :K, :V]
 
 
-def _reference(q, k, v, g, beta, h0, segment_ids, cfg):
-    return ref_kda.chunk_kda(q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=True,
-                             chunk_size=cfg.C, segment_ids=segment_ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kda_gpu_xla_bwd(q, k, v, g, beta, h0, segment_ids, cfg):
-    return _kda_gpu(q, k, v, g, beta, h0, segment_ids, cfg)
-
-
-def _xla_bwd_fwd(q, k, v, g, beta, h0, segment_ids, cfg):
-    return _kda_gpu(q, k, v, g, beta, h0, segment_ids, cfg), (q, k, v, g, beta, h0, segment_ids)
-
-
-def _xla_bwd_bwd(cfg, res, cts):
-    q, k, v, g, beta, h0, segment_ids = res
-    _, vjp = jax.vjp(lambda *a: _reference(*a, segment_ids, cfg), q, k, v, g, beta, h0)
-    return (*vjp(cts), None)
-
-
-_kda_gpu_xla_bwd.defvjp(_xla_bwd_fwd, _xla_bwd_bwd)
+_kda_gpu_xla_bwd = with_reference_backward(_kda_gpu)  # backward="xla"
 
 
 def chunk_kda_gpu(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk, interpret, safe_gate, mmdt,
