@@ -21,13 +21,16 @@ from k3jax.sharding import DEFAULT_RULES, Rules, logical_to_spec
 
 def as_rules(rules: Mapping | Rules | None, mesh: jax.sharding.Mesh) -> Rules:
     """``from_hf``'s ``rules`` -> a :mod:`k3jax.sharding` rule table. None: ``DEFAULT_RULES``; a
-    ``{logical: mesh axis or tuple of axes}`` mapping (or such pairs): one candidate per name. A mesh
+    ``{logical: mesh axis, tuple of axes or None}`` mapping (or such pairs): one candidate per name. A mesh
     axis the mesh lacks is an error, not a silently replicated leaf."""
     if rules is None:
         return DEFAULT_RULES
     pairs = rules.items() if isinstance(rules, Mapping) else rules
     table = []
     for name, target in pairs:
+        if target is None:  # replicated
+            table.append((name, ()))
+            continue
         axes = target if isinstance(target, tuple) else (target,)
         bad = [a for a in axes if a not in mesh.shape]
         if bad:
