@@ -16,7 +16,6 @@ from cpu_devices import run_on_cpu_devices
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType
-    jax.config.update("jax_disable_most_optimizations", True)  # compile time; values are unchanged
     from k3jax.ops.moe import grouped_glu_experts, sigmoid_topk_route
     from k3jax.parallel.expert import dense_ragged_all_to_all, expert_parallel_experts
 

@@ -3,7 +3,6 @@ gloo): ``jax.distributed.initialize`` from the environment, per-process data, a 
 processes, checkpoints written by both, a resume, and the checkpoint read back by one process."""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -12,9 +11,11 @@ import textwrap
 
 import pytest
 
+from cpu_devices import subprocess_env
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ARGS = ["--sample-tokens", "4", "model.num_layers=5", "train.seq_len=32", "train.batch_size=8", "train.log_every=1",
-        "train.checkpoint_every=2", "mesh.data=2", "mesh.fsdp=2"]
+ARGS = ["--sample-tokens", "4", "model.num_layers=3", "model.attn_res.block_size=2", "train.seq_len=32",
+        "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2", "mesh.data=2", "mesh.fsdp=2"]
 
 
 def _free_port() -> int:
@@ -27,9 +28,8 @@ def _two_processes(run_dir, steps: int) -> list[str]:
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
-                   PYTHONPATH=str(ROOT))
+        env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank))
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.steps={steps}",
                                        f"run_dir={run_dir}"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -61,5 +61,5 @@ def test_two_process_training_checkpoints_and_resumes(tmp_path):
         print("steps", checkpoint.latest_step({str(run / 'checkpoints')!r}), cfg.mesh.data, cfg.mesh.fsdp)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          env=subprocess_env())
     assert proc.returncode == 0 and "steps 5 2 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

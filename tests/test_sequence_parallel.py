@@ -16,7 +16,6 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import AxisType
-    jax.config.update("jax_disable_most_optimizations", True)  # compile time; values are unchanged
     from k3jax import load_config
     from k3jax.layers.mla import MLA
     from k3jax.ops.conv import causal_conv1d

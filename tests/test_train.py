@@ -4,7 +4,6 @@ a rolled-back run drops the metrics of its abandoned steps; a changed ``train.st
 the learning rate jump is refused on resume unless ``--reschedule``."""
 
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -15,14 +14,16 @@ import time
 import numpy as np
 import pytest
 
+from cpu_devices import subprocess_env
 from k3jax import checkpoint
 from k3jax.config import load_config
 from k3jax.run_log import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# A few-layer tiny K3 (KDA, MLA, AttnRes, latent MoE with QB, per-head Muon all on) on short rows.
-SMALL = ["model.num_layers=5", "train.seq_len=32", "train.batch_size=4", "train.grad_accum=2",
-         "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
+# A three-layer tiny K3 on short rows: KDA with the dense FFN, KDA and MLA with latent MoEs (QB on), Block
+# AttnRes closing a block after layer 1, per-head Muon. Compile time grows with the (unrolled) layers.
+SMALL = ["model.num_layers=3", "model.attn_res.block_size=2", "train.seq_len=32", "train.batch_size=4",
+         "train.grad_accum=2", "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
 STEPS = 12
 
 
@@ -33,8 +34,7 @@ def _train_cmd(run_dir, *extra):
 
 def _env(cache_dir):
     # One compile for the three processes: the persistent cache serves the later ones.
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess_env(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _logged_steps(run_dir) -> int:
