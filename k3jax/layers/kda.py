@@ -16,7 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, constant, normal, param, uniform
 from k3jax.ops.conv import causal_conv1d
 from k3jax import kernels
-from k3jax.ops.kda import kda_gate_lower_bound, kda_gate_softplus, recurrent_kda
+from k3jax.ops.kda import kda_gate_lower_bound, kda_gate_softplus, kda_step
 from k3jax.ops.norms import l2_norm, rms_norm
 from k3jax.parallel import sequence as seq_parallel
 
@@ -124,8 +124,9 @@ class KDA(nnx.Module):
             g = jnp.where(token_valid[..., None, None], g, 0.0)
             beta = jnp.where(token_valid[..., None], beta, 0.0)
         initial = cache.state if cache is not None else None
-        if cache is not None and x.shape[1] == 1:  # decode: one recurrent step
-            o, state = recurrent_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True)
+        if cache is not None and x.shape[1] == 1:  # decode: one recurrent step (no scan of length 1)
+            o, state = kda_step(initial, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            o = o[:, None]
         elif sequence_parallel:
             o, state = seq_parallel.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
                                               chunk_fn=self.chunk_kda), None
