@@ -13,6 +13,7 @@ import pytest
 
 from k3jax.ops import attention as attn_ops
 
+pytestmark = pytest.mark.usefixtures("fast_xla")
 
 # jitted: eagerly, every primitive inside the loops would compile on its own
 chunked_attention = jax.jit(attn_ops.chunked_attention, static_argnames=("scale", "q_chunk", "kv_chunk"))

@@ -1,9 +1,11 @@
 """causal_conv1d: numpy loop, torch Conv1d, segments, decode state carry."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from k3jax.ops import causal_conv1d
 
@@ -64,32 +66,37 @@ def test_segments_and_initial_state(W):
     np.testing.assert_allclose(y[0, 5:10], numpy_conv(x[:1, 5:10], w)[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("use_segments", [False, True])
-@pytest.mark.parametrize("cut", [2, 6, 11])
-def test_two_halves_with_state_equal_whole(cut, use_segments):
-    """Decode-style carry: final_state of the first part is the initial_state of the second.
+class CarryTest(chex.TestCase):
+    """Decode-style carry: final_state of the first part is the initial_state of the second, traced
+    under ``jit`` and run op by op (chex variants).
 
     A call never starts with a reset, so with segments only the rows whose cut lies inside a segment
     must match. cut=6 and cut=11 come right after a reset (at 5 and 10), so the carried window
     spans two documents and its older entries must have been zeroed; cut=2 is shorter than W-1.
     """
-    W = 4
-    x, w = make(20 + cut, 2, 13, 5, W)
-    seg = jnp.asarray(SEG) if use_segments else None
-    init = np.random.default_rng(1).standard_normal((2, W - 1, 5)).astype(np.float32)
-    y, s = _conv(jnp.asarray(x), jnp.asarray(w), segment_ids=seg, initial_state=jnp.asarray(init),
-                         output_final_state=True)
-    parts = []
-    state = jnp.asarray(init)
-    for lo, hi in ((0, cut), (cut, 13)):
-        seg_part = None if seg is None else seg[:, lo:hi]
-        y_p, state = _conv(jnp.asarray(x[:, lo:hi]), jnp.asarray(w), segment_ids=seg_part,
-                                   initial_state=state, output_final_state=True)
-        parts.append(y_p)
-    rows = (SEG[:, cut] == SEG[:, cut - 1]) if use_segments else np.ones(2, bool)
-    assert rows.any()
-    np.testing.assert_allclose(np.concatenate(parts, 1)[rows], np.asarray(y)[rows], rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(state, s)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(cut=(2, 6, 11), use_segments=(False, True))
+    def test_two_halves_with_state_equal_whole(self, cut, use_segments):
+        W = 4
+        conv = self.variant(causal_conv1d, static_argnames=("output_final_state",))
+        x, w = make(20 + cut, 2, 13, 5, W)
+        seg = jnp.asarray(SEG) if use_segments else None
+        init = np.random.default_rng(1).standard_normal((2, W - 1, 5)).astype(np.float32)
+        y, s = conv(jnp.asarray(x), jnp.asarray(w), segment_ids=seg, initial_state=jnp.asarray(init),
+                    output_final_state=True)
+        parts = []
+        state = jnp.asarray(init)
+        for lo, hi in ((0, cut), (cut, 13)):
+            seg_part = None if seg is None else seg[:, lo:hi]
+            y_p, state = conv(jnp.asarray(x[:, lo:hi]), jnp.asarray(w), segment_ids=seg_part, initial_state=state,
+                              output_final_state=True)
+            chex.assert_shape((y_p, state), ((2, hi - lo, 5), (2, W - 1, 5)))
+            parts.append(y_p)
+        rows = (SEG[:, cut] == SEG[:, cut - 1]) if use_segments else np.ones(2, bool)
+        assert rows.any()
+        chex.assert_trees_all_close(np.concatenate(parts, 1)[rows], np.asarray(y)[rows], rtol=1e-6, atol=1e-6)
+        chex.assert_trees_all_equal(state, s)
 
 
 def test_final_state_contents():

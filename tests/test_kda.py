@@ -6,6 +6,7 @@ Errors are measured as fla does (``fla/utils/testing.py``): RMSE(out - ref) / RM
 import importlib.util
 import pathlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,15 +181,22 @@ def test_state_carry_two_halves_equals_whole():
     assert rel_err(o2, _chunk(*(x[:, 32:] for x in (q, k, v, g, beta)))[0]) > 0.05  # the carry matters
 
 
-def test_kda_step_decode_matches_numpy():
-    q, k, v, g, beta, h = make_inputs(2, 2, 3, 2, 16, 24, "lb", h0=True)
-    S = jnp.asarray(h)
-    outs = []
-    for t in range(3):
-        o_t, S = kda_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], 16**-0.5)
-        outs.append(o_t)
-    o_ref, S_ref = numpy_kda(q, k, v, g, beta, h0=h)
-    assert rel_err(np.stack(outs, 1), o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
+class KdaStepTest(chex.TestCase):
+    """The one-token decode step, traced under ``jit`` and run op by op (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kda_step_decode_matches_numpy(self):
+        q, k, v, g, beta, h = make_inputs(2, 2, 3, 2, 16, 24, "lb", h0=True)
+        step = self.variant(kda_step, static_argnums=6)
+        S = jnp.asarray(h)
+        outs = []
+        for t in range(3):
+            o_t, S = step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], 16**-0.5)
+            chex.assert_shape(o_t, (2, 2, 24))
+            outs.append(o_t)
+        chex.assert_tree_all_finite((outs, S))
+        o_ref, S_ref = numpy_kda(q, k, v, g, beta, h0=h)
+        assert rel_err(np.stack(outs, 1), o_ref) < FP32_TOL and rel_err(S, S_ref) < FP32_TOL
 
 
 # ----------------------------------------------------------------------------- segments
