@@ -18,12 +18,21 @@ same prompts in static batches of ``concurrency``, one batch at a time: what ser
 continuous batching gets from the HF stack. Its "TTFT" is the time until its batch is done (HF
 returns whole batches). Both sides run on the same CPU cores; the client's Python shares them with
 the server. ``load_average`` says how busy the machine was.
+
+Host memory: a serving engine on CPU makes glibc keep freed memory (``keep_host_memory``: no fresh
+``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call).
+The setting is process-wide, so by default the peer runs with it too (``host_malloc`` in the
+report). torch's large temporaries gain from it as much: with glibc's defaults HF ``generate``
+page-faults millions of times per batch and its speed swings with the machine's state (10-140
+tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults
+around the peer's runs: what HF gets in a process of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -47,10 +56,11 @@ from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402
-from k3jax.serving.engine import Engine  # noqa: E402
+from k3jax.serving.engine import Engine, keep_host_memory  # noqa: E402
 from k3jax.serving.metrics import compile_count  # noqa: E402
 
 FIRST_PROMPT_ID = 3  # HF's KimiLinear config reserves 0-2 (pad, bos, eos)
+KEPT = "freed memory kept (glibc mmap and trim off)"
 
 
 def percentiles(xs) -> dict:
@@ -142,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--prefill-batch", type=int, default=8, help="waiting prompts prefilled together")
     ap.add_argument("--peer-batches", type=int, default=None, help="HF: time only the first N static batches of "
                     "each level (default: all; its tokens/s is a per-batch rate either way)")
+    ap.add_argument("--peer-malloc", choices=("same", "glibc"), default="same",
+                    help="the peer's host allocator: the server's setting (same process) or glibc's defaults")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
@@ -168,16 +180,30 @@ def main(argv=None):
     server, thread, url = start_server(engine, config)  # compiles every program (Engine.warmup)
     startup_s = time.perf_counter() - t0
     compiles = compile_count()
+    kept = engine.keeps_host_memory
+
+    @contextlib.contextmanager
+    def peer_malloc():
+        if kept and args.peer_malloc == "glibc":
+            keep_host_memory(False)
+        try:
+            yield
+        finally:
+            if kept and args.peer_malloc == "glibc":
+                keep_host_memory(True)
+
     asyncio.run(load(url, config, prompts[:2], max_tokens, 2))  # warm the HTTP path
     k3, hf = {}, {}
     hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg)).eval()
     randomize_torch(hf_model, args.seed)
-    hf_batches(hf_model, prompts[:1], 2, 1)  # warm-up
+    with peer_malloc():
+        hf_batches(hf_model, prompts[:1], 2, 1)  # warm-up
     for c in levels:
         log(f"  concurrency {c}: k3jax server")
         k3[c] = asyncio.run(load(url, config, prompts, max_tokens, c))
         log(f"  concurrency {c}: HF generate, batches of {c}")
-        hf[c] = hf_batches(hf_model, prompts, max_tokens, c, args.peer_batches)
+        with peer_malloc():
+            hf[c] = hf_batches(hf_model, prompts, max_tokens, c, args.peer_batches)
     recompiles = compile_count() - compiles
     log("matmul peak")
     peak = matmul_peak()
@@ -196,6 +222,8 @@ def main(argv=None):
                      "max_tokens": max_tokens, "max_batch": max(levels), "prefill_chunk": args.prefill_chunk,
                      "prefill_batch": args.prefill_batch,
                      "peer_batches": args.peer_batches,
+                     "host_malloc": {"server": KEPT if kept else "defaults",
+                                     "peer": KEPT if kept and args.peer_malloc == "same" else "defaults"},
                      "dtype": "float32", "sampling": "greedy", "client": "openai.AsyncOpenAI, streamed"},
         "server_startup_s": round(startup_s, 2), "compiles_during_load": recompiles, "matmul_peak": peak,
         "model_flop_per_token": flop_per_token,

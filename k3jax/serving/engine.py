@@ -145,6 +145,7 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.keeps_host_memory = False  # set by start: glibc keeps freed memory (keep_host_memory)
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     # --- device programs ---------------------------------------------------------------------------
@@ -282,7 +283,7 @@ class Engine:
         """Start the decode loop (once; later calls do nothing)."""
         if self._thread is not None:
             return self
-        self._kept_memory = jax.default_backend() == "cpu" and keep_host_memory()
+        self.keeps_host_memory = jax.default_backend() == "cpu" and keep_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
         self._thread.start()
@@ -294,8 +295,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-            if self._kept_memory:  # the process may go on to other work (a test suite)
-                keep_host_memory(False)
+            if self.keeps_host_memory:  # the process may go on to other work (a test suite)
+                self.keeps_host_memory = not keep_host_memory(False)
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _run(self):
