@@ -21,7 +21,7 @@ from k3jax.interop import from_hf, hf_names, mxfp4, to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile
 from k3jax.model import abstract_model, create_model
 from k3jax.params import count_params
-from k3jax.quant.deploy import expert_memory, packed_config, to_packed
+from k3jax.interop.packed_experts import expert_memory, packed_config, to_packed
 from k3jax.quant.packed import MXFP4Bytes, MXFP4Weight
 
 from cpu_devices import run_on_cpu_devices

@@ -1,10 +1,15 @@
 """Deployment of MXFP4 experts: a dense (e.g. QAT-trained) model -> the same model with its routed
 experts packed, and the memory the packed experts take.
 
-``python -m k3jax.quant.deploy k3`` prints the routed-expert bytes of a config packed vs bfloat16 and
-the whole model's weight bytes with bfloat16 dense weights and packed experts (from the abstract
-model; nothing is allocated). ``k3jax.aot`` reports the compiled decode memory of the same model
-with ``quant.experts=mxfp4`` among its overrides.
+It lives in ``interop``, above the model in the layering, because it is a transform of whole models
+(it builds the packed model and copies every variable across by path, as ``from_hf`` does when it
+keeps MXFP4 experts packed); ``k3jax.quant`` stays below the layers, holding only the formats and
+the packed weight itself.
+
+``python -m k3jax.interop.packed_experts k3`` prints the routed-expert bytes of a config packed vs
+bfloat16 and the whole model's weight bytes with bfloat16 dense weights and packed experts (from
+the abstract model; nothing is allocated). ``k3jax.aot`` reports the compiled decode memory of the
+same model with ``quant.experts=mxfp4`` among its overrides.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig, load_config
+from k3jax.interop.model_leaves import model_variables
 from k3jax.model import K3Model, abstract_model
 from k3jax.quant.mxfp4 import quantize_mxfp4
 from k3jax.quant.packed import MXFP4Bytes, MXFP4Weight
@@ -31,10 +37,6 @@ def packed_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, experts="mxfp4"))
 
 
-def _variables(model) -> dict[tuple, nnx.Variable]:
-    return {tuple(p): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-
-
 def to_packed(model: K3Model, *, rule: str | None = None) -> K3Model:
     """A new model with ``model``'s weights and its routed experts packed as MXFP4.
 
@@ -45,14 +47,14 @@ def to_packed(model: K3Model, *, rule: str | None = None) -> K3Model:
     cfg = model.cfg
     rule = cfg.quant.scale_rule if rule is None else rule
     packed = abstract_model(packed_config(cfg))
-    src = _variables(model)
+    src = model_variables(model)
     for path, module in nnx.iter_graph(packed):
         if isinstance(module, MXFP4Weight) and tuple(path) in src:  # a dense expert weight to pack
             w = src[tuple(path)].get_raw_value()
             codes, scale = quantize_mxfp4(jnp.swapaxes(w, -1, -2), rule=rule)
             module.packed.set_raw_value(codes)
             module.scale.set_raw_value(scale)
-    for path, var in _variables(packed).items():
+    for path, var in model_variables(packed).items():
         if isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             if path not in src:
                 raise KeyError(f"{path}: no such variable in the source model")
@@ -73,7 +75,7 @@ def expert_memory(cfg: ModelConfig) -> dict[str, float]:
     for path, module in nnx.iter_graph(packed):
         if isinstance(module, MXFP4Weight):
             routed_params += math.prod(module.shape)
-    for _, var in _variables(packed).items():
+    for var in model_variables(packed).values():
         value = var.get_raw_value()
         nbytes = math.prod(value.shape) * jnp.dtype(value.dtype).itemsize
         if isinstance(var, MXFP4Bytes):

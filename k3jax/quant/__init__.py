@@ -4,12 +4,12 @@
 - ``mx``: the JAX block quantizer (integer arithmetic on IEEE bits: identical bytes on every backend);
 - ``mxfp4`` / ``mxfp8``: the public quantize / dequantize / fake-quantize functions;
 - ``ste``: the straight-through estimator used by quantization-aware training;
-- ``packed``: packed MXFP4 weights as model state (deployment); ``deploy``: dense -> packed models
-  and the memory of packed experts.
+- ``packed``: packed MXFP4 weights as model state (deployment). Turning a dense model into a packed
+  one is a whole-model transform and lives above the model: ``k3jax.interop.packed_experts``.
 
 What the MoE layer calls (QAT fake quantization, on-the-fly dequantization) is a layer-level module,
 ``k3jax.layers.quantized_experts``, so that ``k3jax.config`` can take the format facts (``formats``)
-from here without pulling in the layers (``deploy``, a model-level tool, is imported by nothing here). docs/quantization.md describes the whole picture.
+from here without pulling in the layers. docs/quantization.md describes the whole picture.
 """
 
 from k3jax.quant.formats import DEFAULT_SCALE_RULE, SCALE_RULES
