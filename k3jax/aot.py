@@ -30,7 +30,8 @@ Newton-Schulz of a stacked weight runs under ``lax.map`` over the layers, so it 
 correctly too; the elementwise optimizer work of the stacked weights, under 0.1%, is over-counted).
 Gradient accumulation is one more loop: with ``grad_accum = A > 1`` the FLOPs come from the step
 compiled for one micro-batch (``A = 1``, the same per-device shapes) as ``A * micro - (A - 1) * NS``
-(the optimizer runs once per step; NS, its Newton-Schulz, counted analytically). The memory
+(the optimizer runs once per step; NS, its Newton-Schulz, counted analytically); a program already
+compiled in the process (e.g. that micro-batch step as a job of its own) is not compiled again. The memory
 figures are always those of the real accumulating step. Loops inside a layer are still counted once: the chunked KDA's scan over chunks (its inter-chunk
 state recurrence, under 1% of a KDA layer) and blockwise attention over more than one key block.
 ``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -273,6 +275,27 @@ def _flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
+# Per-device FLOPs of each program compiled in this process, by (target, program text): the FLOP
+# count's extra compiles (one micro-batch, no layer stack) are often a program compiled before (a job
+# without accumulation, the same model's baseline), and topology executables cannot be kept in the
+# persistent cache (``_no_persistent_cache``).
+_FLOPS_BY_PROGRAM: dict[tuple, float] = {}
+
+
+def _program_key(lowered, mesh) -> tuple:
+    device = mesh.devices.flat[0]
+    text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    return getattr(device, "device_kind", device.platform), mesh.size, text
+
+
+def _compiled_flops(lowered, mesh) -> float:
+    key = _program_key(lowered, mesh)
+    if key not in _FLOPS_BY_PROGRAM:
+        with _no_persistent_cache():
+            _FLOPS_BY_PROGRAM[key] = _flops(lowered.compile())
+    return _FLOPS_BY_PROGRAM[key]
+
+
 OOM_DETAIL_LINES = 80  # of libtpu's out-of-memory report, which lists the largest allocations
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|exceeds available HBM", re.I)
 
@@ -330,14 +353,12 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
     if accum > 1:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
         log(f"  grad_accum={accum}: compiling one micro-batch's step for the FLOPs")
-        with _no_persistent_cache():
-            per_device = _flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len).compile())
+        per_device = _compiled_flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len), mesh)
     groups = abstract_model(cfg.model).plan.num_groups
     if groups > 1:
         log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
         baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, batch, job.seq_len)
-        with _no_persistent_cache():
-            per_device += (groups - 1) * (per_device - _flops(baseline.compile()))
+        per_device += (groups - 1) * (per_device - _compiled_flops(baseline, mesh))
     return accum * per_device * mesh.size - (accum - 1) * ns_flops
 
 
@@ -378,6 +399,8 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
         return Result(**base, compile_seconds=time.perf_counter() - t0, error=_oom_summary(e))
     seconds = time.perf_counter() - t0
     per_device = _flops(compiled)
+    if flops and not breakdown:
+        _FLOPS_BY_PROGRAM[_program_key(lowered, mesh)] = per_device
     result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
     parts = hlo_breakdown.breakdown(compiled.as_text()) if breakdown else None
     del compiled, lowered
