@@ -56,3 +56,27 @@ def test_pallas_kernels_train_like_xla():
     # Same math in a different order (fp32): differences are rounding, amplified a little by Muon.
     np.testing.assert_allclose(pallas, xla, rtol=2e-4)
     assert xla[-1] < xla[0]
+
+
+@pytest.mark.tpu_aot
+def test_auto_moe_impl_follows_the_platform_traced_for():
+    """``moe_impl: auto`` is decided when traced, for the mesh's platform: a model built on the CPU host
+    and traced under a one-device TPU mesh (an AOT compile) gets the Pallas grouped matmul."""
+    pytest.importorskip("libtpu")
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax import aot
+
+    try:
+        tpu = aot.TpuSlice.v5p("v5p-8").devices()[:1]
+    except Exception as e:  # libtpu present but unusable on this host
+        pytest.skip(f"no TPU topology from libtpu: {e}")
+    model = create_model(load_config("tiny", ["model.num_layers=2"]).model, seed=0)
+    assert model.cfg.moe_impl == "auto"
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    on_cpu = str(jax.make_jaxpr(lambda t: model(t)[0])(tokens))
+    with jax.set_mesh(jax.sharding.Mesh(np.array(tpu), ("data",))):
+        on_tpu = str(jax.make_jaxpr(lambda t: model(t)[0])(tokens))
+    assert "ragged_dot" in on_cpu and "pallas_call" not in on_cpu
+    assert "pallas_call" in on_tpu and "ragged_dot" not in on_tpu

@@ -18,6 +18,7 @@ from k3jax.ops.moe import sigmoid_topk_route
 from k3jax.parallel.context import current_mesh
 from k3jax.parallel.expert import expert_parallel_experts
 from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
+from pallas_kernels.platform import target_platform
 
 
 class LatentMoE(nnx.Module):
@@ -31,11 +32,8 @@ class LatentMoE(nnx.Module):
         self.activation, self.beta, self.linear_beta = cfg.activation, cfg.situ_beta, cfg.situ_linear_beta
         self.dtype = jnp.dtype(cfg.dtype)
         self.quant = cfg.quant  # routed experts: dense, MXFP4 QAT or packed MXFP4 (k3jax/quant)
-        # Single-device expert compute: ragged_dot or the Pallas grouped matmul (k3jax/kernels.py); the
-        # expert-parallel path (under a mesh) runs ragged_dot inside its shard_map.
+        # ``auto`` is resolved when traced, for the platform compiled for (k3jax/kernels.py)
         self.impl = cfg.moe_impl
-        self.grouped_glu_experts = kernels.grouped_glu_experts(kernels.resolve_moe_impl(
-            cfg.moe_impl, jax.default_backend(), quantized_inputs=cfg.quant.activations != "none"))
         self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)
         self.router_bias = constant(0.0, (m.num_experts,), ("expert",), jnp.float32, RouterBias) \
             if m.router_bias else None
@@ -98,7 +96,10 @@ class LatentMoE(nnx.Module):
         if act_quant is not None:
             glu["act_quant"] = act_quant
         if current_mesh() is None:
-            pair_out = self.grouped_glu_experts(z, route.experts, *experts, **glu)
+            # the platform of the ambient mesh (a one-device TPU mesh in an AOT compile on a CPU host),
+            # else the default backend: the rule the expert-parallel path follows too
+            impl = kernels.resolve_moe_impl(self.impl, target_platform(), quantized_inputs=act_quant is not None)
+            pair_out = kernels.grouped_glu_experts(impl)(z, route.experts, *experts, **glu)
             return jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
         # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
         return expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
