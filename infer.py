@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     add_serve_arguments(ap)
     args = ap.parse_args(argv)
     _check_arguments(ap, args)  # before anything is loaded, compiled or printed
+    tokenizer = None
+    if args.tokenizer:  # an argument too: a bad one fails before the model loads
+        try:
+            tokenizer = load_tokenizer(args.tokenizer, source="--tokenizer")
+        except (FileNotFoundError, ValueError) as e:
+            ap.exit(2, f"error: {e}\n")
     try:
         mesh_cfg = parse_mesh(args.mesh)
     except ValueError as e:
@@ -149,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model, cfg = (_load_hf(ckpt, placement) if hf else
                       checkpoint.restore_model(ckpt, step=args.step, config=expected, mesh=placement))
-        tokenizer = load_tokenizer(args.tokenizer or (str(ckpt) if hf else cfg.train.data.tokenizer))
+        if tokenizer is None:
+            tokenizer = (load_tokenizer(str(ckpt), source="--checkpoint (or name one with --tokenizer)") if hf else
+                         load_tokenizer(cfg.train.data.tokenizer, source=f"train.data.tokenizer of {ckpt}"))
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if args.serve:

@@ -91,6 +91,8 @@ def test_train_config_errors_are_one_line_with_exit_code_2(args, message, capsys
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--config", "no_such_config"], "unknown config 'no_such_config'"),
+    (["--tokenizer", "no/such/tokenizer.json"],
+     "--tokenizer: 'no/such/tokenizer.json' is neither 'byte' nor an existing path"),
 ])
 def test_infer_rejects_bad_arguments_before_loading_anything(args, message, tmp_path, capsys):
     # The checkpoint does not exist: an argument error must come first, before any load or compile.

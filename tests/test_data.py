@@ -427,3 +427,13 @@ def test_bad_tokenizer_spec(tmp_path):
         load_tokenizer(str(tmp_path / "missing.json"))
     with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tiktoken.model"):
         load_tokenizer(str(tmp_path))
+
+
+def test_tokenizer_errors_name_where_the_spec_came_from(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^train\.data\.tokenizer: .* is neither 'byte'"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="^--tokenizer: directory .* has neither"):
+        load_tokenizer(str(tmp_path), source="--tokenizer")
+    (tmp_path / "vocab.txt").write_text("")
+    with pytest.raises(ValueError, match="^--tokenizer: cannot tell the format"):
+        load_tokenizer(str(tmp_path / "vocab.txt"), source="--tokenizer")

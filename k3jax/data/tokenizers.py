@@ -5,7 +5,7 @@ All of them follow one small protocol (:class:`TextTokenizer`): ``encode(str) ->
 tokenizer has no such token). The data pipeline prepends ``bos_id`` and appends ``eos_id`` to every
 document when they exist.
 
-``load_tokenizer(spec)``:
+``load_tokenizer(spec, source=...)``:
 - ``"byte"``: :class:`ByteTokenizer`, UTF-8 bytes as ids 0..255, nothing reserved (no BOS/EOS:
   the model never sees an end-of-document token; the ``tiny`` config's vocab is exactly 256).
 - a path to a ``tokenizer.json`` (or a directory holding one): :class:`HFTokenizer`, via the
@@ -135,27 +135,28 @@ def _load_tiktoken(path: pathlib.Path):
     return kimi_tokenizer.Tokenizer.from_dir(directory)
 
 
-def load_tokenizer(spec: str) -> TextTokenizer:
+def load_tokenizer(spec: str, *, source: str = "train.data.tokenizer") -> TextTokenizer:
     """``"byte"``, a ``tokenizer.json`` (file or directory) or a ``tiktoken.model`` (file or
-    directory; also ``*.tiktoken``). Raises ``FileNotFoundError`` / ``ValueError`` with the reason.
+    directory; also ``*.tiktoken``). Raises ``FileNotFoundError`` / ``ValueError`` with the reason,
+    naming ``source``: where the spec came from (the config field, or e.g. ``--tokenizer``).
     The one loader of the project: training and ``infer.py`` (hence serving) take their tokenizer here
     (a release directory gives :class:`k3jax.tokenizer.Tokenizer`, with its chat template)."""
     if spec in ("byte", "bytes"):
         return ByteTokenizer()
     path = pathlib.Path(spec).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"train.data.tokenizer: {spec!r} is neither 'byte' nor an existing path")
+        raise FileNotFoundError(f"{source}: {spec!r} is neither 'byte' nor an existing path")
     if path.is_dir():
         if (path / "tokenizer.json").exists():
             return HFTokenizer(path)
         if (path / "tiktoken.model").exists():
             return _load_tiktoken(path)
-        raise FileNotFoundError(f"train.data.tokenizer: directory {path} has neither tokenizer.json nor tiktoken.model")
+        raise FileNotFoundError(f"{source}: directory {path} has neither tokenizer.json nor tiktoken.model")
     if path.suffix == ".json":
         return HFTokenizer(path)
     if path.name == "tiktoken.model" or path.suffix in (".tiktoken", ".model"):
         return _load_tiktoken(path)
-    raise ValueError(f"train.data.tokenizer: cannot tell the format of {path} "
+    raise ValueError(f"{source}: cannot tell the format of {path} "
                      "(expected tokenizer.json, tiktoken.model or *.tiktoken)")
 
 
