@@ -139,6 +139,25 @@ def write_row(cache: ModelCache, row, src: ModelCache, shift, src_row=0) -> Mode
                     valid=put(cache.valid, src.valid, 0, 1))
 
 
+def first_rows(cache: ModelCache, n: int) -> ModelCache:
+    """Rows ``[0, n)`` of ``cache`` (a static ``n``): the cache of an ``n``-row batch at the same write
+    position, to decode the leading rows of a pool with a smaller program (:func:`put_first_rows`)."""
+    layers = [type(c)(*(jax.lax.slice_in_dim(x, 0, n, axis=b) for x in c)) for c, b in _layer_caches(cache)]
+    return _rebuild(cache, layers, positions=cache.positions[:n], valid=cache.valid[:n])
+
+
+def put_first_rows(cache: ModelCache, rows: ModelCache) -> ModelCache:
+    """``cache`` with its first rows replaced by ``rows`` (a cache of the same model and slots with fewer
+    rows, e.g. :func:`first_rows` decoded further) and ``rows``' write position. The other rows keep
+    what they held: a step of the whole batch with their tokens marked invalid would differ only in
+    their short-conv tails (a zero input pushed in) and in the invalid slot it writes."""
+    layers = [type(c)(*(jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), 0, axis=b) for x, y in zip(c, r)))
+              for (c, b), (r, _) in zip(_layer_caches(cache), _layer_caches(rows))]
+    return _rebuild(cache, layers, length=rows.length,
+                    positions=jax.lax.dynamic_update_slice_in_dim(cache.positions, rows.positions, 0, axis=0),
+                    valid=jax.lax.dynamic_update_slice_in_dim(cache.valid, rows.valid, 0, axis=0))
+
+
 def cache_bytes(cache: ModelCache) -> int:
     """Memory of a cache in bytes."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))

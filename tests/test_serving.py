@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 
 from k3jax import create_model, generate, load_config
-from k3jax.cache import shift_slots, write_row
+from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.data.tokenizers import ByteTokenizer
 from k3jax.sampling import sample_logits
 from k3jax.serving.engine import Engine
@@ -260,6 +260,13 @@ def served():
         yield url, model, engine
 
 
+def slow_steps(engine: Engine, monkeypatch):
+    """20 ms more per decode step (every program)."""
+    def slowed(step):
+        return lambda *args: (time.sleep(0.02), step(*args))[1]
+    monkeypatch.setattr(engine, "_decode_fn", {rows: slowed(step) for rows, step in engine._decode_fn.items()})
+
+
 def test_concurrent_greedy_requests_equal_generate_alone(served):
     url, model, _ = served
     check_concurrent_equals_alone(url, model)
@@ -267,8 +274,7 @@ def test_concurrent_greedy_requests_equal_generate_alone(served):
 
 def test_client_disconnect_frees_its_slot(served, monkeypatch):
     url, model, engine = served
-    step = engine._decode_fn  # 20 ms more per step: the long streams surely outlast the short request
-    monkeypatch.setattr(engine, "_decode_fn", lambda *args: (time.sleep(0.02), step(*args))[1])
+    slow_steps(engine, monkeypatch)  # the long streams surely outlast the short request
     check_disconnect(url, model, engine)
 
 
@@ -306,8 +312,7 @@ def test_api_surface(served):
 
 def test_queue_full_is_503_with_retry_after(served, monkeypatch):
     url, _, engine = served
-    step = engine._decode_fn
-    monkeypatch.setattr(engine, "_decode_fn", lambda *args: (time.sleep(0.02), step(*args))[1])
+    slow_steps(engine, monkeypatch)
     monkeypatch.setattr(engine, "max_queue", 0)  # no waiting: a request beyond the rows is turned away
     c = client(url)
     streams = [c.completions.create(model="tiny", prompt="ab", max_tokens=40, temperature=0, stream=True)
@@ -324,8 +329,9 @@ def test_queue_full_is_503_with_retry_after(served, monkeypatch):
 
 def test_write_row_and_shift_slots_keep_decoding_exact():
     """A prompt prefilled in row 1 of a two-row prefill batch (beside another prompt), written into row
-    1 of a batch at another write position, then the batch's slots moved back: decoding continues
-    with the logits of one uninterrupted sequence."""
+    1 of a batch at another write position, then the batch's slots moved back, then a step of the
+    batch's first two rows alone (first_rows / put_first_rows): decoding continues with the logits of
+    one uninterrupted sequence, and the third row is untouched."""
     model = small_model()
     graphdef, state = nnx.split(model)
     tok = jax.random.randint(jax.random.key(0), (1, 9), 0, 256)
@@ -343,8 +349,21 @@ def test_write_row_and_shift_slots_keep_decoding_exact():
     pool = jax.jit(shift_slots)(pool, -4)  # row 1 now holds slots 0-6, the write position is 7
     assert int(pool.length) == 7 and bool(pool.valid[1, :7].all()) and not bool(pool.valid[1, 7:].any())
     logits2, pool = step(jnp.broadcast_to(tok[:, 7:8], (3, 1)), pool, jnp.ones((3, 1), bool))
+    logits3, sub = step(jnp.broadcast_to(tok[:, 8:9], (2, 1)), jax.jit(first_rows, static_argnums=1)(pool, 2),
+                        jnp.ones((2, 1), bool))
+    after = jax.jit(put_first_rows)(pool, sub)
+    assert int(after.length) == 9 and bool(after.valid[1, :9].all()) and int(after.positions[1]) == 9
+
+    def row(cache, r):  # every array's row r (the scanned groups' caches lead with the group axis)
+        def rows(layers, axis):
+            return [x.take(r, axis=axis) for c in layers for x in c]
+        return rows(cache.prefix, 0) + rows(cache.groups, 1) + rows(cache.suffix, 0) + [cache.positions[r],
+                                                                                        cache.valid[r]]
+    for x, y in zip(row(after, 2), row(pool, 2), strict=True):
+        np.testing.assert_array_equal(x, y)
     np.testing.assert_allclose(logits[1, 0], full[0, 6], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(logits2[1, 0], full[0, 7], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(logits3[1, 0], full[0, 8], rtol=1e-4, atol=1e-5)
 
 
 def test_sample_rows_matches_sample_logits_row_by_row():

@@ -24,8 +24,12 @@ left-pads a ragged batch. A request's lifecycle:
    ``max_tokens``; a row that stops (stop token, cancel) has at most one step in flight, whose
    token is dropped, and its next owner's ``write_row`` replaces everything the row held.
 
+A step runs the smallest of the decode programs (for 1, 2, 4, ... rows, and ``max_batch``) that
+covers the last busy row, on the pool's leading rows (``cache.first_rows``); requests take the
+lowest free row, so a few concurrent requests cost a few rows' work, not the whole pool's.
+
 All device programs have fixed shapes (pool, chunk, row index and shifts are traced), so each
-compiles once, whatever requests come and go.
+compiles once (in ``warmup``), whatever requests come and go.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax.cache import init_cache, shift_slots, write_row
+from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
 from k3jax.model import K3Model
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.sampling import sample_rows
@@ -174,12 +178,15 @@ class Engine:
         def realign(pool, shift):
             return shift_slots(pool, shift)
 
-        def decode(state, pool, logits, keys, temperature, top_p, active):
-            pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
-            tokens = sample_rows(logits, pairs[:, 1], temperature, top_p)
-            tokens = jnp.where(active, tokens, 0)
-            logits, pool = nnx.merge(graphdef, state)(tokens[:, None], cache=pool, token_valid=active[:, None])
-            return tokens, logits[:, -1], pairs[:, 0], pool
+        def decode(rows, state, pool, logits, keys, temperature, top_p, active):
+            """A step of the pool's first ``rows`` rows (static); -> tokens [rows] and the updated pool rows."""
+            pairs = jax.vmap(jax.random.split)(keys[:rows])  # [rows, 2]
+            tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
+            tokens = jnp.where(active[:rows], tokens, 0)
+            out, sub = nnx.merge(graphdef, state)(tokens[:, None], cache=first_rows(pool, rows),
+                                                  token_valid=active[:rows, None])
+            return (tokens, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
+                    put_first_rows(pool, sub))
 
         sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
         if self.mesh is None:
@@ -199,7 +206,10 @@ class Engine:
         self._prefill_fn = {r: jit(prefill, out_shardings=(rep, pre_sh[r]), donate_argnums=(1,)) for r in sizes}
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
-        self._decode_fn = jit(decode, out_shardings=(rep, rep, rep, pool_sh), donate_argnums=(1, 2, 3))
+        # decode programs by row count: 1, 2, 4, ... and the whole pool
+        self._decode_fn = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, pool_sh),
+                                  donate_argnums=(1, 2, 3))
+                           for r in sorted({min(2**i, b) for i in range(b.bit_length() + 1)})}
         zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
                                  jax.random.split(jax.random.key(0), b)),
                         **({} if rep is None else {"out_shardings": (rep, rep)}))
@@ -233,6 +243,9 @@ class Engine:
             self._realign(0)
             self._queue_step()
             self._read_step()
+            idle = np.zeros(self.max_batch, bool)
+            for rows in self._decode_fn:  # the programs the dummy's step did not need
+                self._decode(rows, idle)
             jax.block_until_ready(self._pool)
             self._reset()
         self.metrics = metrics
@@ -411,13 +424,19 @@ class Engine:
             return False
         if self._length >= self.max_len:  # out of slots: move every row back to the start
             self._realign(int(self._filled[active].max()) - self._length)
-        tokens, self._logits, self._keys, self._pool = self._decode_fn(
-            self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active)
-        self._length += 1
+        last = int(np.flatnonzero(active)[-1])
+        tokens = self._decode(min(r for r in self._decode_fn if r > last), active)
         self._filled[active] += 1
         self._queued[active] += 1
         self._inflight.append((tokens, rows))
         return True
+
+    def _decode(self, rows: int, active: np.ndarray) -> jax.Array:
+        """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens."""
+        tokens, self._logits, self._keys, self._pool = self._decode_fn[rows](
+            self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active)
+        self._length += 1
+        return tokens
 
     def _read_step(self):
         """Wait for the oldest queued step's tokens and hand each to its request (one that ended
