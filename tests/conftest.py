@@ -22,6 +22,14 @@ from k3jax import compile_cache  # noqa: E402
 compile_cache.enable()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with ``slow`` or ``tpu_aot`` tests run first. pytest-xdist (``--dist loadfile``) hands
+    each worker the next whole file as it becomes free, so the long files should not be the last ones
+    handed out while the other worker has nothing left (longest first). Order within a file is kept."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("tpu_aot")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(scope="module")
 def fast_xla():
     """Opt in with ``pytestmark = pytest.mark.usefixtures("fast_xla")``.

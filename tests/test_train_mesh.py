@@ -1,8 +1,8 @@
 """train.py on a device mesh: a run checkpointed on one device resumes on an 8-device data x expert x
 sequence mesh (fake CPU devices) and continues with the losses the single-device run has; the same
 checkpoint restores for inference onto yet another mesh with every array in its new sharding. The
-same seed gives the same initial model on 1 and on 8 devices, so fresh runs on both take the same
-first steps."""
+same seed gives the same initial model on 1 and on 8 devices, bit for bit (with the resumed run's
+losses, that makes a fresh 8-device run take the 1-device run's steps; it is not run a third time)."""
 
 import json
 import pathlib
@@ -55,14 +55,6 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
     want, got = _losses(straight), _losses(resumed)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in (3, 4):  # float32; only the reduction order differs between the meshes
-        for key in ("loss", "grad_norm"):
-            np.testing.assert_allclose(got[step][key], want[step][key], rtol=2e-5, err_msg=f"step {step} {key}")
-
-    # A fresh run on 8 devices starts from the single-device run's initial weights.
-    fresh = tmp_path / "fresh"
-    _train(fresh, eight, *MESH)
-    got = _losses(fresh)
-    for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(got[step][key], want[step][key], rtol=2e-5, err_msg=f"step {step} {key}")
 
