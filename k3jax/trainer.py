@@ -199,13 +199,15 @@ def _compile_together(step_fn, state, batches):
     """Several processes: each compiles the step for the first batch, then all wait at the
     coordination service's barrier (no device collective) before the first step runs. Gloo gives a
     peer 30 s to join a collective, and processes compiling on a busy machine can finish further
-    apart than that. Returns the batches, the first one included."""
+    apart than that. Returns the compiled step, which then runs every step (the state keeps its
+    shardings and the batches theirs, so nothing compiles again), and the batches, the first one
+    included."""
     first = next(batches)
-    step_fn.lower(state, first).compile()  # the step's own call then loads it from the compilation cache
+    compiled = step_fn.lower(state, first).compile()
     from jax._src import distributed  # noqa: PLC0415 - the public API's barriers are device collectives
 
     distributed.global_state.client.wait_at_barrier("k3jax_train_step_compiled", timeout_in_ms=3_600_000)
-    return itertools.chain([first], batches)
+    return compiled, itertools.chain([first], batches)
 
 
 def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens: int) -> dict:
@@ -243,7 +245,8 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
         # starts there too, or the second step would compile the train step again for the new types.
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     schedule = learning_rate_schedule(tc.optim, tc.steps)
-    step_fn, eval_fn = make_train_step(graphdef, cfg), make_eval_step(graphdef, cfg)
+    step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
+    eval_fn = make_eval_step(graphdef, cfg)
     moe_layers = expert_imbalance_layers(cfg.model)
 
     log = RunLog(out, step=start, enabled=main_process)
@@ -258,7 +261,7 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     jax.clear_caches()
     batches = (shard_batch(b, mesh) for b in train_iter)
     if jax.process_count() > 1 and step < tc.steps:
-        batches = _compile_together(step_fn, state, batches)
+        step_fn, batches = _compile_together(step_fn, state, batches)
     with _StopRequest() as stop:
         while step < tc.steps and not _agreed(stop.requested):
             state, metrics = step_fn(state, next(batches))

@@ -120,8 +120,12 @@ def expert_imbalance_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.num_layers) if cfg.ffn(i) == "moe"]
 
 
-def make_train_step(graphdef, cfg: Config):
+def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     """``step(state, batch) -> (state, metrics)`` over the split TrainState, jitted with donation.
+
+    ``state_shardings`` (a tree of shardings like ``state``): the returned state keeps them, so every
+    step runs one executable with its donated buffers reused in place. Left to XLA, the optimizer's
+    outputs come back in other shardings on a multi-device mesh and the second step compiles again.
 
     batch: numpy/jax dict with ``tokens, segment_ids, positions, targets, loss_mask`` of shape
     ``[batch_size, seq_len]`` (plus ``image_*`` packed patches ``[batch_size, P, ...]`` for a vision
@@ -144,7 +148,9 @@ def make_train_step(graphdef, cfg: Config):
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    out_shardings = None if state_shardings is None else (state_shardings, None)
+
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings)
     def step(state, batch):
         ts = nnx.merge(graphdef, state)
         model_def, params, rest = nnx.split(ts.model, nnx.Param, ...)
