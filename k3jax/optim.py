@@ -70,6 +70,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from k3jax.config import OptimConfig
 from k3jax.layer_plan import LayerPlan
+from k3jax.parallel.context import EXPERT_AXIS
 
 MDN = MuonDimensionNumbers
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -349,29 +350,44 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
 
 
 def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-    """Split the blocks ``x [B, r, o]`` over every device of the current mesh: ``B`` zero-padded to a
-    multiple of the device count and sharded over all mesh axes, each block whole on one device.
+    """Split the blocks ``x [B, r, o]`` over every device of the current mesh, each block whole on one
+    device: ``B`` zero-padded to a multiple of the device count and sharded over all mesh axes.
 
     A weight stored sharded over several axes (e.g. ``fsdp x sequence`` on top of ``expert``) would
     otherwise be gathered and orthogonalised in full by every device that holds a piece of it (8.5x
-    the analytic count per device for full K3 on v5p-2048, docs/scale.md). Values are unchanged: each
+    the analytic count per device for full K3 on v5p-2048, docs/scale.md). The ``expert`` axis is the
+    spread's major factor and the padding goes at the end of each expert group: the large batches are
+    stacked experts, whose ``B`` is already split over ``expert`` (``sharding.DEFAULT_RULES``), so each
+    block stays in its expert group and the spread is an all-to-all inside the group. Another order
+    moves blocks between groups, which GSPMD did by gathering the whole batch on every device (an
+    all-reduce of the full padded batch, 11 GB per K2 layer and matrix). Values are unchanged: each
     block's iteration is its own, and a zero block stays zero (``0 / (0 + eps)``). Returns the spread
-    blocks and the function that drops the padding again. No mesh (or one device): unchanged."""
+    blocks and the function that undoes it. No mesh (or one device): unchanged."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or x.ndim != 3:
         return x, lambda y: y
     P = jax.sharding.PartitionSpec
-    n = x.shape[0]
-    padded = jnp.pad(x, ((0, -n % mesh.size), (0, 0), (0, 0)))
-    spread = P(tuple(mesh.axis_names), None, None)
+    n, r, o = x.shape
+    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
+    groups = experts if n % experts == 0 else 1
+    per_group, pad = n // groups, -(n // groups) % (mesh.size // groups)
+
+    def pad_groups(y):  # [n, r, o] -> [groups * (per_group + pad), r, o], padding at each group's end
+        y = jnp.pad(y.reshape(groups, per_group, r, o), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return y.reshape(groups * (per_group + pad), r, o)
+
+    def unpad_groups(y):
+        return y.reshape(groups, per_group + pad, r, o)[:, :per_group].reshape(n, r, o)
+
+    spread = P(tuple(sorted(mesh.axis_names, key=lambda a: a != EXPERT_AXIS)), None, None)  # expert first
     if any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        return jax.lax.with_sharding_constraint(padded, spread), lambda y: y[:n]
+        return jax.lax.with_sharding_constraint(pad_groups(x), spread), unpad_groups
     orig = tuple(jax.typeof(x).sharding.spec) + (None,) * 3  # explicit axes: the sharding is in the type
 
     def unspread(y):  # drop the padding on an unsplit batch axis, then back to x's sharding
-        return jax.sharding.reshard(jax.sharding.reshard(y, P(None, *orig[1:3]))[:n], P(*orig[:3]))
+        return jax.sharding.reshard(unpad_groups(jax.sharding.reshard(y, P(None, *orig[1:3]))), P(*orig[:3]))
 
-    return jax.sharding.reshard(padded, spread), unspread
+    return jax.sharding.reshard(pad_groups(x), spread), unspread
 
 
 def _normalized_axes(ndim: int, dn: MDN) -> tuple[tuple[int, ...], tuple[int, ...]]:
