@@ -49,6 +49,24 @@ def sigmoid_topk_route(logits: jax.Array, bias: jax.Array | None, top_k: int, *,
     return Routing(weights * scaling_factor, experts.astype(jnp.int32), scores, threshold)
 
 
+def grouped_by_expert(x: jax.Array, experts: jax.Array, num_experts: int,
+                      rows_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """The (token, selected expert) pairs sorted by expert, run through ``rows_fn``, and put back.
+
+    x ``[N, D]``, experts ``[N, k]`` int; ``rows_fn(xs [N*k, D], group_sizes [E] int32) -> [N*k, D']``
+    over rows grouped by expert (as :func:`ragged_glu`). Returns the per-pair outputs ``[N, k, D']``.
+    The one home of the sort, count and inverse permutation for every expert implementation (this
+    op's and the Pallas grouped matmul's).
+    """
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair ids grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    ys = rows_fn(jnp.take(x, order // k, axis=0), group_sizes)  # [N*k, D'], sorted by expert
+    inverse = jnp.argsort(order)  # sorted position of each pair (a permutation's inverse)
+    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+
+
 def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                         *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
                         act_quant: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
@@ -57,16 +75,9 @@ def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
     x ``[N, D]``, experts ``[N, k]`` int, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]``.
     Returns the per-pair outputs ``[N, k, D]`` (unweighted) in x's dtype.
     """
-    n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pair ids grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)  # [N*k, D]
-    ys = ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation, beta=beta,
-                    linear_beta=linear_beta, act_quant=act_quant)  # [N*k, D], sorted by expert
-    inverse = jnp.argsort(order)  # sorted position of each pair (a permutation's inverse)
-    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+    rows_fn = lambda xs, group_sizes: ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation,
+                                                 beta=beta, linear_beta=linear_beta, act_quant=act_quant)
+    return grouped_by_expert(x, experts, w_gate.shape[0], rows_fn)
 
 
 def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,

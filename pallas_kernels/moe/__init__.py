@@ -1,8 +1,7 @@
 """Latent-MoE expert compute with the Pallas grouped matmul; see ``gmm.py``."""
 
-import jax.numpy as jnp
-
 from k3jax.ops.activations import glu
+from k3jax.ops.moe import grouped_by_expert
 from pallas_kernels.moe.gmm import DEFAULT_TILING, gmm, group_metadata, grouped_matmul, tgmm
 
 
@@ -11,21 +10,16 @@ def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.
     """Drop-in for ``k3jax.ops.moe.grouped_glu_experts`` with the three matmuls in Pallas.
 
     x ``[N, D]``, experts ``[N, k]`` int, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]``. Returns the
-    per-pair outputs ``[N, k, D]`` (unweighted) in x's dtype. Same sort-by-expert permutation as the
-    reference; the GLU runs in XLA between the kernels (fp32, as ``k3jax.ops.activations.glu``).
+    per-pair outputs ``[N, k, D]`` (unweighted) in x's dtype. The sort by expert is the reference's
+    (``k3jax.ops.moe.grouped_by_expert``); the GLU runs in XLA between the kernels (fp32, as
+    ``k3jax.ops.activations.glu``).
     tiling: ``(tm, tk, tn)`` or None (the backend's default); backend ``"tpu"`` (Mosaic), ``"gpu"``
     (Triton, ``gmm_gpu.py``) or None (the target platform's).
     """
-    n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)
-    ys = ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation, beta=beta,
-                    linear_beta=linear_beta, tiling=tiling, interpret=interpret, backend=backend)
-    inverse = jnp.argsort(order)
-    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+    rows_fn = lambda xs, group_sizes: ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation,
+                                                 beta=beta, linear_beta=linear_beta, tiling=tiling,
+                                                 interpret=interpret, backend=backend)
+    return grouped_by_expert(x, experts, w_gate.shape[0], rows_fn)
 
 
 def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, tiling=None,
