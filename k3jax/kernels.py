@@ -25,11 +25,11 @@ def chunk_kda(impl: str) -> Callable:
     return fn
 
 
-def resolve_moe_impl(impl: str, platform: str, *, quantized_inputs: bool = False) -> str:
-    """``model.moe_impl`` for a program lowered for ``platform``: ``auto`` -> ``pallas`` on TPU unless
-    the expert inputs are MXFP8-quantized (which only the ``ragged_dot`` path does)."""
+def resolve_moe_impl(impl: str, platform: str) -> str:
+    """``model.moe_impl`` for a program lowered for ``platform``: ``auto`` -> ``pallas`` on TPU, else
+    ``ragged_dot``."""
     if impl == "auto":
-        return "pallas" if platform == "tpu" and not quantized_inputs else "ragged_dot"
+        return "pallas" if platform == "tpu" else "ragged_dot"
     return impl
 
 

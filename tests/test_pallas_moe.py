@@ -145,3 +145,29 @@ def test_grouped_glu_experts_matches_reference(dtype, activation):
         assert a.dtype == p.dtype and a.shape == p.shape
         assert err(a, b) < tol
     assert np.all(np.asarray(g[1][E - 2:]) == 0)  # unused experts get zero gradient
+
+
+def test_mxfp8_inputs_match_the_reference():
+    """With MXFP8 fake quantization of both matmul stages' inputs (``quant.activations=mxfp8``), the
+    Pallas experts compute what the reference computes: forward and gradients (straight-through)."""
+    from k3jax.config import QuantConfig
+    from k3jax.layers.quantized_experts import activation_quantizer
+
+    act_quant = activation_quantizer(QuantConfig(activations="mxfp8"))
+    N, k, E, D, F = 12, 2, 4, 64, 64  # D and F multiples of the 32-wide MXFP8 blocks
+    x = rand(20, (N, D))
+    experts = jax.random.randint(jax.random.PRNGKey(21), (N, k), 0, E)
+    ws = (rand(22, (E, D, F), scale=0.3), rand(23, (E, D, F), scale=0.3), rand(24, (E, F, D), scale=0.3))
+    c = rand(25, (N, k, D))
+
+    def loss(f, quant):
+        return lambda x, *w: jnp.sum(f(x, experts, *w, activation="situ_glu", act_quant=quant) * c)
+
+    with jax.default_matmul_precision("highest"):
+        got = jax.value_and_grad(loss(grouped_glu_experts, act_quant), argnums=(0, 1, 2, 3))(x, *ws)
+        want = jax.value_and_grad(loss(ref_grouped_glu_experts, act_quant), argnums=(0, 1, 2, 3))(x, *ws)
+        plain = loss(ref_grouped_glu_experts, None)(x, *ws)
+    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+    assert abs(float(want[0]) - float(plain)) > 1e-3 * abs(float(plain))  # the quantization is on
+    for a, b in zip(got[1], want[1]):
+        assert max_rel(a, b) < 1e-5

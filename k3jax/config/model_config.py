@@ -269,8 +269,6 @@ class ModelConfig:
             check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
         check(0 <= self.first_dense_layers <= self.num_layers, f"{prefix}.first_dense_layers",
                f"must be in [0, num_layers={self.num_layers}]")
-        check(self.moe_impl != "pallas" or self.quant.activations == "none", f"{prefix}.moe_impl",
-               "the Pallas grouped matmul has no MXFP8 input quantization; use ragged_dot with quant.activations")
         if self.mla_layers is not None:
             bad = [i for i in self.mla_layers if not 0 <= i < self.num_layers]
             check(not bad, f"{prefix}.mla_layers", f"indices {bad} out of range [0, {self.num_layers})")

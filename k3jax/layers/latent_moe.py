@@ -98,7 +98,7 @@ class LatentMoE(nnx.Module):
         if current_mesh() is None:
             # the platform of the ambient mesh (a one-device TPU mesh in an AOT compile on a CPU host),
             # else the default backend: the rule the expert-parallel path follows too
-            impl = kernels.resolve_moe_impl(self.impl, target_platform(), quantized_inputs=act_quant is not None)
+            impl = kernels.resolve_moe_impl(self.impl, target_platform())
             pair_out = kernels.grouped_glu_experts(impl)(z, route.experts, *experts, **glu)
             return jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
         # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)

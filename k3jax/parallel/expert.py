@@ -86,7 +86,7 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     token_axes = split_axes(mesh, mesh.axis_names, n)
     tokens = P(spec_entry(token_axes), None)
     expert_spec = P(EXPERT_AXIS if ep > 1 else None, None, None)
-    impl = kernels.resolve_moe_impl(impl, target_platform(mesh), quantized_inputs=act_quant is not None)
+    impl = kernels.resolve_moe_impl(impl, target_platform(mesh))
     body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
                              capacity_factor=capacity_factor,

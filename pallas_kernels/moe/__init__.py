@@ -6,7 +6,7 @@ from pallas_kernels.moe.gmm import DEFAULT_TILING, gmm, group_metadata, grouped_
 
 
 def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0,
-                        tiling=None, interpret=None, backend=None):
+                        act_quant=None, tiling=None, interpret=None, backend=None):
     """Drop-in for ``k3jax.ops.moe.grouped_glu_experts`` with the three matmuls in Pallas.
 
     x ``[N, D]``, experts ``[N, k]`` int, w_gate / w_up ``[E, D, F]``, w_down ``[E, F, D]``. Returns the
@@ -17,22 +17,26 @@ def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.
     (Triton, ``gmm_gpu.py``) or None (the target platform's).
     """
     rows_fn = lambda xs, group_sizes: ragged_glu(xs, group_sizes, w_gate, w_up, w_down, activation=activation,
-                                                 beta=beta, linear_beta=linear_beta, tiling=tiling,
-                                                 interpret=interpret, backend=backend)
+                                                 beta=beta, linear_beta=linear_beta, act_quant=act_quant,
+                                                 tiling=tiling, interpret=interpret, backend=backend)
     return grouped_by_expert(x, experts, w_gate.shape[0], rows_fn)
 
 
-def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, tiling=None,
-               interpret=None, backend=None, expected_rows=None):
+def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, act_quant=None,
+               tiling=None, interpret=None, backend=None, expected_rows=None):
     """Drop-in for ``k3jax.ops.moe.ragged_glu`` (rows already grouped by expert) with the three
     matmuls in Pallas: xs ``[M, D]``, group_sizes ``[E]`` -> ``[M, D]``; rows past ``sum(group_sizes)``
     are zeros. The weight gradients are ``tgmm`` over the real rows only (the transpose of
     ``ragged_dot`` that XLA:TPU would lower as a dense matmul of every expert over every row).
-    ``expected_rows``: the real rows expected in the buffer of M, for the cost estimates (``gmm``)."""
+    ``expected_rows``: the real rows expected in the buffer of M, for the cost estimates (``gmm``).
+    ``act_quant`` (e.g. MXFP8 fake quantization) is applied to the input of each matmul stage, xs and
+    the GLU output, as in the reference."""
+    quantize = act_quant or (lambda a: a)
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
                                      expected_rows=expected_rows)
+    xs = quantize(xs)
     h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
-    return mm(h, w_down)
+    return mm(quantize(h), w_down)
 
 
 __all__ = ["DEFAULT_TILING", "gmm", "tgmm", "group_metadata", "grouped_matmul", "grouped_glu_experts", "ragged_glu"]
