@@ -29,6 +29,13 @@ LONGEST_FILES = ("test_parallel.py", "test_aot.py", "test_quant_qat.py", "test_t
                  "test_multiprocess.py")
 
 
+def pytest_configure(config):
+    """pytest-xdist sorts the files by their number of tests unless told not to (its
+    ``--no-loadscope-reorder``); the order chosen below is what it should keep."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest files first, then the other files with ``slow`` or ``tpu_aot`` tests, then the rest.
     pytest-xdist (``--dist loadfile``) hands each worker the next whole file as it becomes free, so a
