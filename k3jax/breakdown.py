@@ -357,14 +357,31 @@ def _group_size(ins: Instr) -> int:
     if groups:
         return max(1, len([g for g in groups.group(1).split(",") if g]))
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.attrs)  # iota form [groups, size]
-    return int(iota.group(2)) if iota else 1
+    if iota:
+        return int(iota.group(2))
+    # mesh form: replica_groups=mesh['axis_0'=128,'axis_1'=2] (device_ids=(...))? {'axis_0','axis_1'}:
+    # a group spans the listed axes
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", ins.attrs)
+    if mesh:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", mesh.group(2)))
+    return 1
 
 
-def _collective(ins: Instr, shapes: dict[str, str]) -> tuple[str, float] | None:
+def _collective(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) -> tuple[str, float] | None:
     kind = ins.opcode.removesuffix("-start")
+    n = None
+    if ins.opcode == "fusion":
+        # XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice each device
+        # keeps (``calls=%all-reduce-scatter...``); the pair runs as one reduce-scatter.
+        inner = [i for callee, _ in _callees(ins) if callee.startswith("all-reduce-scatter")
+                 for i in comps.get(callee, ()) if i.opcode in ("all-reduce", "all-reduce-start")]
+        if not inner:
+            return None
+        kind, n = "reduce-scatter", _group_size(inner[0])
     if kind not in COLLECTIVES or ins.opcode.endswith("-done"):
         return None
-    n = _group_size(ins)
+    n = _group_size(ins) if n is None else n
     operand = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
     if kind == "ragged-all-to-all":
         operand = shape_bytes(shapes.get(ins.operands[0], ""))
@@ -443,7 +460,7 @@ def breakdown(hlo_text: str) -> Breakdown:
                     out.unattributed_ops[name] += times * flops
             if comp in fused:
                 continue
-            coll = _collective(ins, shapes)
+            coll = _collective(ins, shapes, comps)
             if coll:
                 out.collective_bytes[coll[0]] += times * coll[1]
                 out.collective_by_part[part] += times * coll[1]
