@@ -23,6 +23,7 @@ state sharded), ``expert`` (routed experts; also splits the batch and, as FSDP, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Sequence
 
@@ -39,6 +40,9 @@ MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 Rules = tuple[tuple[str, tuple], ...]
 
+# The axes a dense weight is stored split over (FSDP), in mesh order (see "embed" below).
+FSDP_STORAGE_AXES = ("fsdp", "expert", "sequence")
+
 # logical name -> candidate mesh axes (first usable one wins; a tuple entry shards over several axes).
 DEFAULT_RULES: Rules = (
     ("batch", (BATCH_MESH_AXES,)),
@@ -48,8 +52,11 @@ DEFAULT_RULES: Rules = (
     ("cache_length", (("sequence", "data", "fsdp", "expert", "tensor"),)),
     ("vocab", ("tensor",)),
     # FSDP: dense weights are stored split over every axis that splits the batch or the sequence (the
-    # expert axis too, which full K3 needs to fit); they are gathered at use (WEIGHT_USE_RULES).
-    ("embed", (("fsdp", "sequence", "expert"),)),
+    # expert axis too, which full K3 needs to fit); they are gathered at use (WEIGHT_USE_RULES). The
+    # axes go in mesh order: tiled in another order, a shard's devices are not contiguous in the mesh
+    # and XLA:TPU gathers (and reduces gradients) with whole-array all-reduces instead of all-gathers
+    # (reduce-scatters), twice the bytes.
+    ("embed", (FSDP_STORAGE_AXES,)),
     ("heads", ("tensor",)),
     ("mlp", ("tensor",)),
     ("expert", ("expert",)),
@@ -59,8 +66,8 @@ DEFAULT_RULES: Rules = (
     ("head_dim", ()),
     # Storage only (FSDP): MLA's q_b / kv_b have no embed axis, and heads alone (96 or 64) would leave
     # them replicated; at use they are gathered (WEIGHT_USE_RULES).
-    ("q_lora", (("fsdp", "sequence", "expert"),)),
-    ("kv_lora", (("fsdp", "sequence", "expert"),)),
+    ("q_lora", (FSDP_STORAGE_AXES,)),
+    ("kv_lora", (FSDP_STORAGE_AXES,)),
     ("latent", ()),
     ("gate_rank", ()),
     ("conv", ()),
@@ -172,7 +179,30 @@ def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules 
     if mesh is None or not axes:
         return w
     axes = tuple(axes)[len(axes) - w.ndim:]
-    return jax.lax.with_sharding_constraint(w, logical_to_spec(axes, rules, mesh, w.shape))
+    return _gathered(w, logical_to_spec(axes, rules, mesh, w.shape),
+                     logical_to_spec(axes, DEFAULT_RULES, mesh, w.shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(w, use: P, storage: P):
+    """``w`` constrained to ``use``; its cotangent to ``storage`` (the weight's own layout).
+
+    The cotangent arrives as per-device partial sums of the gathered weight's gradient. The plain
+    transpose of the constraint would sum them in the gathered layout, an all-reduce of the whole
+    matrix on every device; constrained to the storage layout the sum is a reduce-scatter, each
+    device receiving only its shard (half the bytes, and no whole-matrix gradient in memory)."""
+    return jax.lax.with_sharding_constraint(w, use)
+
+
+def _gathered_fwd(w, use, storage):
+    return _gathered(w, use, storage), None
+
+
+def _gathered_bwd(use, storage, _, cotangent):
+    return (jax.lax.with_sharding_constraint(cotangent, storage),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def _value_of(var):
