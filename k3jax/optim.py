@@ -326,8 +326,13 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
         blocks.append(x3)
         meta.append((inverse_fn, transposed))
     groups: dict[Any, list[int]] = {}
+    devices = _mesh_devices()
     for i, x3 in enumerate(blocks):
-        key = (x3.shape[1:], x3.dtype) if x3.size <= group_max_size else ("alone", i)
+        # A large array stays alone (never concatenated) unless its blocks are few enough to sit one
+        # per device: spread over the mesh, the concatenation is one exchange, and each device
+        # orthogonalises at most one block of the lot instead of a share of each array's few.
+        together = x3.size <= group_max_size or (devices > 1 and x3.ndim == 3 and x3.shape[0] <= devices)
+        key = (x3.shape[1:], x3.dtype) if together else ("alone", i)
         groups.setdefault(key, []).append(i)
     out: list = [None] * len(blocks)
     for idx in groups.values():
@@ -347,6 +352,22 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
             x3 = jnp.swapaxes(x3, -2, -1)
         result.append(inverse_fn(x3))
     return result
+
+
+def _mesh_devices() -> int:
+    """Devices of the current (abstract) mesh; 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.size
+
+
+def spread_whole_stack(num_blocks: int) -> bool:
+    """Whether a stacked weight with ``num_blocks`` Newton-Schulz blocks (all its layers) is updated
+    whole rather than one layer at a time: when the blocks fit one per device of the current mesh.
+    One layer of such a weight (a shared expert, a latent projection: one block) would be padded to
+    the device count and every device would orthogonalise a block, once per layer; the whole stack
+    spread is one block per device for all the layers, and its temporaries are one block's."""
+    devices = _mesh_devices()
+    return devices > 1 and num_blocks <= devices
 
 
 def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
@@ -430,6 +451,12 @@ def scale_by_consistent_rms(dim_nums: Callable[[Any], Any], rms: float) -> optax
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def _num_blocks(x: jax.Array, dn: MDN) -> int:
+    """Newton-Schulz blocks of ``x``: the product of its axes that are neither reduction nor output."""
+    red, out = _normalized_axes(x.ndim, dn)
+    return math.prod(n for i, n in enumerate(x.shape) if i not in red + out)
+
+
 def _drop_leading_axis(dn: MDN) -> MDN:
     """The dimension numbers of ``x[i]`` given those of ``x`` (axis 0 a batch axis)."""
     def shift(a):
@@ -448,7 +475,8 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
     ``stacked(updates)`` (optional) marks the leaves whose axis 0 stacks scanned layers: those larger
     than ``group_max_size`` run their whole update (momentum, Nesterov, Newton-Schulz) one layer at a
     time under ``lax.map``, so the optimizer's temporaries are one layer's, not the whole stack's
-    (for full K3's 22-group stacks of routed experts that is the difference between fitting and not).
+    (for full K3's 22-group stacks of routed experts that is the difference between fitting and not),
+    unless the stack's blocks fit one per device (:func:`spread_whole_stack`).
     """
 
     def init_fn(params):
@@ -477,7 +505,7 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
         per_layer = treedef.flatten_up_to(stacked(updates)) if stacked is not None else [False] * len(leaves)
         out, new_mu, batched = [None] * len(leaves), [None] * len(leaves), []
         for i, (g, m, dn, layered) in enumerate(zip(leaves, mus, dns, per_layer)):
-            if layered and g.size > group_max_size and g.shape[0] > 1:
+            if layered and g.size > group_max_size and g.shape[0] > 1 and not spread_whole_stack(_num_blocks(g, dn)):
                 def one_layer(gm, dn=_drop_leading_axis(dn)):
                     m_hat, m_new = moments(*gm)
                     return orthogonalize_blocks([m_hat], [dn], ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
