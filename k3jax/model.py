@@ -24,6 +24,7 @@ from k3jax.cache import ModelCache, init_cache
 from k3jax.config import ModelConfig
 from k3jax.layer_plan import LayerKind, LayerPlan, layer_kind, plan_layers
 from k3jax.layers import attn_res
+from k3jax.ops import saved_names
 from k3jax.layers.attn_res import AttnResMix
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import abstract_init, cast, normal
@@ -188,6 +189,9 @@ _REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer; recompute it in the backward pass
     "nested": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # full, but keeping the values of k3jax.ops.saved_names: no expert matmul, attention or KDA pass
+    # runs twice
+    "selective": jax.checkpoint_policies.save_only_these_names(*saved_names.SELECTIVE),
 }
 # Remat modes that also checkpoint a whole scanned group: the scan then saves one input per group
 # instead of one per layer, and the backward pass runs the group's forward once more to rebuild them.

@@ -148,3 +148,37 @@ def test_tiny_train_step_matches_analytic_count():
     assert b.part_flops("newton_schulz") == pytest.approx(aot.newton_schulz_flops(cfg), rel=0.02)
     for part in ("kda", "mla", "router", "routed_experts"):
         assert b.part_flops(part) > 0, part
+
+
+@pytest.mark.slow
+def test_selective_remat_recomputes_no_ffn_matmul_and_no_mixer_core():
+    """``model.remat=selective`` keeps the GLU inputs, the routed experts' pair outputs and the
+    mixers' core outputs (``k3jax.ops.saved_names``): the backward pass recomputes no FFN / expert
+    matmul, and of KDA and MLA only their projections (the chunked KDA pass and the attention are not
+    run again), while ``full`` recomputes every part's forward."""
+    from k3jax import aot
+    from k3jax.config import MeshConfig, load_config
+    from k3jax.model import abstract_model
+    from k3jax.sharding import DEFAULT_RULES, make_mesh
+
+    batch, seq = 2, 64
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+
+    def compiled(remat):
+        cfg = load_config("tiny", ["model.num_layers=4", "model.mla_period=2", f"model.remat={remat}",
+                                   f"train.batch_size={batch}", f"train.seq_len={seq}"])
+        return bd.breakdown(aot._lower_train(cfg, mesh, abstract_model(cfg.model), DEFAULT_RULES, batch, seq)
+                            .compile().as_text())
+
+    full, selective = compiled("full"), compiled("selective")
+    for part in ("routed_experts", "shared_experts", "dense_ffn"):
+        assert full.flops[(part, "recompute")] > 0, part
+        assert selective.flops.get((part, "recompute"), 0.0) == 0, part
+    # KDA: its projections only. MLA: at 64 tokens the attention is one block whose backward needs its
+    # probabilities, so the scores are recomputed either way; past attention.Q_CHUNK tokens the saved
+    # output spares the layer's recompute of every query block (they are checkpointed on their own).
+    assert 0 < selective.flops[("kda", "recompute")] < full.flops[("kda", "recompute")]
+    assert 0 < selective.flops[("mla", "recompute")] <= full.flops[("mla", "recompute")]
+    for b in (full, selective):  # the same forward and backward work
+        for part in ("routed_experts", "kda", "mla"):
+            assert b.flops[(part, "forward")] == pytest.approx(full.flops[(part, "forward")], rel=1e-6), part

@@ -256,8 +256,11 @@ class ModelConfig:
     scan_layers: bool = True
     # none; full: each layer's forward runs once more in the backward pass (8N); nested: a scanned
     # group is checkpointed too (one more forward, 10N, for a group's worth of saved inputs); dots:
-    # matmul outputs saved (k3jax/model.py)
-    remat: Literal["none", "full", "nested", "dots"] = runtime("none")
+    # matmul outputs saved; selective: full, but the GLU inputs, the routed experts' outputs and the
+    # mixers' core outputs are kept (k3jax/ops/saved_names.py), so no expert matmul, attention or KDA
+    # pass runs twice, for about 2 x (top-k x capacity x F + k x L) bytes per token and layer more
+    # (k3jax/model.py)
+    remat: Literal["none", "full", "nested", "dots", "selective"] = runtime("none")
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
     kda_impl: Literal["xla", "pallas"] = runtime("xla")

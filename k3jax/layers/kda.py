@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.cache import KDACache
 from k3jax.config import ModelConfig
@@ -18,6 +19,7 @@ from k3jax.ops.conv import causal_conv1d
 from k3jax import kernels
 from k3jax.ops.kda import kda_gate_lower_bound, kda_gate_softplus, kda_step
 from k3jax.ops.norms import l2_norm, rms_norm
+from k3jax.ops.saved_names import MIXER_OUTPUTS
 from k3jax.parallel import sequence as seq_parallel
 
 # fla's dt initialisation range for the softplus gate: dt ~ logU(1e-3, 1e-1), floor 1e-4.
@@ -133,7 +135,7 @@ class KDA(nnx.Module):
         else:
             o, state = self.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
                                  initial_state=initial, output_final_state=cache is not None)
-        o = rms_norm(o, self.o_norm[...], c.norm_eps)
+        o = rms_norm(checkpoint_name(o, MIXER_OUTPUTS), self.o_norm[...], c.norm_eps)
         if c.output_gate == "full":
             o = o * jax.nn.sigmoid(proj(self.g_proj).astype(jnp.float32)).astype(dt)
         elif c.output_gate == "low_rank":

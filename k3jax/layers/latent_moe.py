@@ -14,7 +14,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
-from k3jax.ops.moe import sigmoid_topk_route
+from k3jax.ops.moe import combine_experts, sigmoid_topk_route
 from k3jax.parallel.context import current_mesh
 from k3jax.parallel.expert import expert_parallel_experts
 from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
@@ -100,7 +100,7 @@ class LatentMoE(nnx.Module):
             # else the default backend: the rule the expert-parallel path follows too
             impl = kernels.resolve_moe_impl(self.impl, target_platform())
             pair_out = kernels.grouped_glu_experts(impl)(z, route.experts, *experts, **glu)
-            return jnp.einsum("nk,nkl->nl", route.weights, pair_out.astype(jnp.float32))
+            return combine_experts(route.weights, pair_out)
         # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
         return expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
                                        capacity_factor=m.ep_capacity_factor, impl=self.impl, **glu)

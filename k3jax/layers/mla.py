@@ -4,6 +4,7 @@ or RoPE + YaRN (K2), with K3's sigmoid output gate taken from the layer input.""
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.cache import MLACache
 from k3jax.config import ModelConfig
@@ -11,6 +12,7 @@ from k3jax.layers.initializers import cast, normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
+from k3jax.ops.saved_names import MIXER_OUTPUTS
 from k3jax.parallel import sequence as seq_parallel
 
 
@@ -92,7 +94,7 @@ class MLA(nnx.Module):
                 o = seq_parallel.mla_attention(self.expanded_attention, q, kv_latent, segment_ids, kv_b)
             else:
                 o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
-            y = self._gate_and_project(x, o)
+            y = self._gate_and_project(x, checkpoint_name(o, MIXER_OUTPUTS))
             if not max_logits:
                 return y, None
             # on the whole sequence (GSPMD splits it like any array under a sequence-sharded mesh)

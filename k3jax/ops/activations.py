@@ -7,6 +7,9 @@ input of the down projection, computed in float32 (SiTU's soft caps bound every 
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from k3jax.ops.saved_names import GLU_INPUTS
 
 
 def softcap(z: jax.Array, cap: float) -> jax.Array:
@@ -32,7 +35,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def glu(gate: jax.Array, up: jax.Array, kind: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """Dispatch on the config's ``activation`` switch."""
+    """Dispatch on the config's ``activation`` switch. ``gate`` and ``up`` are named ``GLU_INPUTS``
+    (kept by ``model.remat = selective``)."""
+    gate, up = checkpoint_name(gate, GLU_INPUTS), checkpoint_name(up, GLU_INPUTS)
     if kind == "situ_glu":
         return situ_glu(gate, up, beta, linear_beta)
     if kind == "swiglu":

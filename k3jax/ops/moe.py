@@ -16,8 +16,10 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.activations import glu
+from k3jax.ops.saved_names import EXPERT_PAIR_OUTPUTS
 
 
 class Routing(NamedTuple):
@@ -47,6 +49,13 @@ def sigmoid_topk_route(logits: jax.Array, bias: jax.Array | None, top_k: int, *,
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights * scaling_factor, experts.astype(jnp.int32), scores, threshold)
+
+
+def combine_experts(weights: jax.Array, pair_out: jax.Array) -> jax.Array:
+    """The weighted routed-expert sum ``u = sum_i p_i E_i(z)`` in float32: weights ``[N, k]``, pair_out
+    ``[N, k, L]`` -> ``[N, L]``. pair_out is named ``EXPERT_PAIR_OUTPUTS`` (``model.remat = selective``)."""
+    pair_out = checkpoint_name(pair_out, EXPERT_PAIR_OUTPUTS)
+    return jnp.einsum("nk,nkl->nl", weights, pair_out.astype(jnp.float32))
 
 
 def grouped_by_expert(x: jax.Array, experts: jax.Array, num_experts: int,

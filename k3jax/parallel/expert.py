@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax import kernels
+from k3jax.ops.moe import combine_experts
 from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, spec_entry, split_axes
 from pallas_kernels.platform import target_platform
 
@@ -108,16 +109,11 @@ def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, 
     if ep == 1:  # every expert is local: the single-device computation on this device's tokens
         pair_out = kernels.grouped_glu_experts(impl)(z, experts, w_gate, w_up, w_down, activation=activation,
                                                      beta=beta, linear_beta=linear_beta, **quant)
-        return _combine(weights, pair_out)
+        return combine_experts(weights, pair_out)
     if tokens_split and dispatch in ("ragged_all_to_all", "all_to_all"):
         exchange = jax.lax.ragged_all_to_all if dispatch == "ragged_all_to_all" else dense_ragged_all_to_all
         return _exchange_experts(z, experts, weights, glu, w_gate.shape[0], ep, exchange, capacity_factor)
     return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor)
-
-
-def _combine(weights, pair_out):
-    """``u = sum_i p_i E_i(z)`` in float32: weights ``[n, k]``, pair_out ``[n, k, L]`` -> ``[n, L]``."""
-    return jnp.einsum("nk,nkl->nl", weights, pair_out.astype(jnp.float32))
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -182,7 +178,7 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), offsets[:, me], kept[:, me],
                         _exclusive_cumsum(sizes, axis=1)[:, me], kept[me], axis_name=EXPERT_AXIS)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0).reshape(n, k, -1)
-    return _combine(weights, pair_out)
+    return combine_experts(weights, pair_out)
 
 
 def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, capacity_factor):
@@ -211,7 +207,7 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     ys = glu(jnp.take(z, order // k, axis=0), group_sizes)
     ys = jnp.where((jnp.arange(rows) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
     pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
-    partial = _combine(weights, pair_out)
+    partial = combine_experts(weights, pair_out)
     if tokens_split:
         return jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     return jax.lax.psum(partial, EXPERT_AXIS)

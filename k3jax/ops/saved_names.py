@@ -1,0 +1,20 @@
+"""Names of the intermediate values a selective remat policy keeps (``jax.ad_checkpoint.checkpoint_name``).
+
+Each name is attached where the value is made, once for every implementation of that step (the
+pure-JAX op, the Pallas kernels, the expert- and sequence-parallel paths), and ``model.remat =
+selective`` (``k3jax/model.py``) saves exactly these: the backward pass then recomputes a layer's
+projections and elementwise work but none of the matmuls behind these values.
+"""
+
+# The gate and up projections entering every GLU (routed experts, shared experts, dense FFN):
+# ``[rows, F]`` each. With them saved, the backward pass runs no expert matmul of the forward again.
+GLU_INPUTS = "glu_inputs"
+# The routed experts' per-pair outputs ``[N, k, L]`` before the weighted sum (the routing weights'
+# gradient needs them; saved, the down projection and the return exchange are not recomputed).
+EXPERT_PAIR_OUTPUTS = "expert_pair_outputs"
+# A token mixer's core output before its output norm / gate: MLA's attention ``[B, T, H, v]``, KDA's
+# chunked recurrence ``[B, T, H, V]``. Small (one value per head channel and token) and the costliest
+# to recompute: the attention's scores or the KDA chunk pass.
+MIXER_OUTPUTS = "mixer_outputs"
+
+SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS)
