@@ -113,22 +113,29 @@ class K3jaxStep:
 
 
 class HFStep:
-    def __init__(self, model, batch):
+    """The HF model's training step: forward with labels, ``backward()``, ``AdamW.step()``; on ``device``,
+    under ``torch.autocast`` to ``autocast`` (a torch dtype) when given (bench/gpu.py: bf16 on the GPU)."""
+
+    def __init__(self, model, batch, device="cpu", autocast=None):
+        import contextlib
+
         self.model = model.train()
-        self.ids = torch.as_tensor(batch["tokens"], dtype=torch.long)
+        self.ids = torch.as_tensor(batch["tokens"], dtype=torch.long, device=device)
         self.opt = torch.optim.AdamW(model.parameters(), lr=HF_LEARNING_RATE, weight_decay=HF_WEIGHT_DECAY)
+        self.context = (lambda: torch.autocast(device, dtype=autocast)) if autocast else contextlib.nullcontext
         self.compile_s = 0.0
         self.loss = float("nan")
 
     def __call__(self):
-        out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
+        with self.context():
+            out = self.model(input_ids=self.ids, labels=self.ids, use_cache=False)
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return out.loss
 
     def block(self, loss):
-        self.loss = float(loss.detach())
+        self.loss = float(loss.detach())  # waits for the step
 
 
 def main(argv=None):

@@ -83,3 +83,16 @@ def test_hf_matched_config(config):
     assert routed == ours["routed_experts"]
     counts = torch_param_counts(model)
     assert 0.8 < counts["total"] / ours["total"] <= 1.0  # the rest: K3-only latent projections, gates, AttnRes
+
+
+@pytest.mark.slow
+@run_benches
+def test_gpu_bench_quick_on_cpu():
+    """bench/gpu.py's correctness section, kernels in interpret mode: every case ran and agrees."""
+    r = _run("gpu.py", "--sections", "check,moe")
+    check = r["check"]
+    assert not any("error" in v for v in check.values() if isinstance(v, dict)), check
+    for key, v in check.items():
+        worst = max(v.values()) if isinstance(v, dict) else v
+        assert worst < (2e-2 if "bfloat16" in key else 1e-5), (key, v)
+    assert all("speedup_pallas_vs_ragged_dot" in r["moe"][k] for k in ("gmm", "gmm_transposed", "tgmm"))
