@@ -370,6 +370,43 @@ def spread_whole_stack(num_blocks: int) -> bool:
     return devices > 1 and num_blocks <= devices
 
 
+# Newton-Schulz blocks a device works on at once when layers of a stack are updated together: bounds the
+# optimizer's temporaries (K3's routed-expert blocks are [3072, 3584], ~0.1 GB of bf16 work each).
+MAX_BLOCKS_PER_DEVICE_STEP = 16
+
+
+def layers_per_step(x: jax.Array, dn: MDN) -> int:
+    """Layers of the stacked weight ``x [layers, E, ...]`` (axis 1 a batch axis: stacked experts) whose
+    momentum and Newton-Schulz run together, in one ``lax.map`` step: the divisor of ``layers`` that
+    leaves each device the fewest blocks in all, the smallest of those (the temporaries grow with it).
+    The spread (:func:`_spread_blocks`) pads each expert group's blocks to a multiple of its devices:
+    full K3 on v5p-2048 has 14 experts per group of 16 devices, so one layer at a time is 16 blocks' work
+    for 14 (22 per device over the 22 layers) where 11 layers at a time is 154 padded to 160 (20); K2 on
+    v5p-512 (6 experts per group of 4 devices, 60 layers): 2 layers, 90 blocks per device instead of 120.
+    1 without a mesh, or when axis 1 is not a batch axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    red, out = _normalized_axes(x.ndim, dn)
+    if mesh.empty or mesh.size == 1 or x.ndim < 4 or 1 in red + out:
+        return 1
+    num_layers, per_layer = x.shape[0], _num_blocks(x, dn) // x.shape[0]
+    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
+    groups = experts if per_layer % experts == 0 else 1  # as _spread_blocks groups them
+    return best_layers_per_step(num_layers, per_layer // groups, mesh.size // groups)
+
+
+def best_layers_per_step(num_layers: int, blocks_per_group: int, devices_per_group: int,
+                         max_blocks_per_step: int = MAX_BLOCKS_PER_DEVICE_STEP) -> int:
+    """The divisor ``n`` of ``num_layers`` with the fewest padded blocks per device in all,
+    ``num_layers / n * ceil(n * blocks_per_group / devices_per_group)``, among those that give a device at
+    most ``max_blocks_per_step`` blocks per step (1 always qualifies); the smallest on a tie."""
+    def step_blocks(n):
+        return -(-n * blocks_per_group // devices_per_group)
+
+    ok = [n for n in range(1, num_layers + 1) if num_layers % n == 0
+          and (n == 1 or step_blocks(n) <= max_blocks_per_step)]
+    return min(ok, key=lambda n: (num_layers // n * step_blocks(n), n))
+
+
 def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
     """Split the blocks ``x [B, r, o]`` over every device of the current mesh, each block whole on one
     device: ``B`` zero-padded to a multiple of the device count and sharded over all mesh axes.
@@ -506,12 +543,26 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
         out, new_mu, batched = [None] * len(leaves), [None] * len(leaves), []
         for i, (g, m, dn, layered) in enumerate(zip(leaves, mus, dns, per_layer)):
             if layered and g.size > group_max_size and g.shape[0] > 1 and not spread_whole_stack(_num_blocks(g, dn)):
-                def one_layer(gm, dn=_drop_leading_axis(dn)):
-                    m_hat, m_new = moments(*gm)
-                    return orthogonalize_blocks([m_hat], [dn], ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
-                                                group_max_size=group_max_size)[0], m_new
+                layers = layers_per_step(g, dn)
+                if layers == 1:
+                    def one_layer(gm, dn=_drop_leading_axis(dn)):
+                        m_hat, m_new = moments(*gm)
+                        return orthogonalize_blocks([m_hat], [dn], ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
+                                                    group_max_size=group_max_size)[0], m_new
 
-                out[i], new_mu[i] = jax.lax.map(one_layer, (g, m))
+                    out[i], new_mu[i] = jax.lax.map(one_layer, (g, m))
+                    continue
+
+                def some_layers(gm, dn=_drop_leading_axis(dn)):  # gm: [layers, E, ...]; [layers * E, ...] below
+                    m_hat, m_new = moments(*gm)
+                    x = jnp.swapaxes(m_hat, 0, 1)  # expert-major, so merging keeps the experts' sharding
+                    x = orthogonalize_blocks([x.reshape(-1, *x.shape[2:])], [dn], ns_coeffs=ns_coeffs,
+                                             ns_steps=ns_steps, eps=eps, group_max_size=group_max_size)[0]
+                    return jnp.swapaxes(x.reshape(m_hat.shape[1], layers, *x.shape[1:]), 0, 1), m_new
+
+                steps = lambda a: a.reshape(-1, layers, *a.shape[1:])  # noqa: E731
+                o, mu = jax.lax.map(some_layers, (steps(g), steps(m)))
+                out[i], new_mu[i] = o.reshape(g.shape), mu.reshape(m.shape)
             else:
                 batched.append(i)
         hats = {}
