@@ -318,7 +318,8 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
 
     blocks, meta = [], []
     for x, dn in zip(xs, dim_nums):
-        view_fn, inverse_fn = _block_view(x, dn, merge_batch=x.size <= group_max_size)
+        single = _num_blocks(x, dn) == 1 and x.size < LARGE_BLOCK_ELEMENTS  # -> [1, r, o]: spread with its shape
+        view_fn, inverse_fn = _block_view(x, dn, merge_batch=x.size <= group_max_size or single)
         x3 = view_fn(x)  # [batch (one axis, or the original batch axes), reduction, output]
         transposed = x3.shape[-2] > x3.shape[-1]
         if transposed:
@@ -369,6 +370,13 @@ def spread_whole_stack(num_blocks: int) -> bool:
     devices = _mesh_devices()
     return devices > 1 and num_blocks <= devices
 
+
+# A weight that is one Newton-Schulz block this large (elements) or larger is orthogonalised in its storage
+# sharding, each matmul split over the devices that hold it (K3's and K2's dense FFN, [7168, 33792] and
+# [7168, 18432]: measured at its analytic share per device); a smaller one joins the blocks of its shape
+# and is spread, whole, over the mesh (a shared expert's [6144, 7168] in its storage sharding repeated the
+# r^3 of G G on every device: 17x its share for K3's shared experts).
+LARGE_BLOCK_ELEMENTS = 1 << 26
 
 # Newton-Schulz blocks a device works on at once when layers of a stack are updated together: bounds the
 # optimizer's temporaries (K3's routed-expert blocks are [3072, 3584], ~0.1 GB of bf16 work each).
