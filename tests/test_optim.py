@@ -150,26 +150,32 @@ def test_newton_schulz_is_split_over_the_devices_not_repeated():
     run_on_cpu_devices(NEWTON_SCHULZ_ON_4_DEVICES, n=4)
 
 
+def _v5p_mesh(slice_name: str, **axes):
+    """A mesh over a v5p topology from libtpu (no TPU needed), or the test is skipped."""
+    pytest.importorskip("libtpu")
+    from k3jax import aot
+    from k3jax.config import MeshConfig
+    from k3jax.sharding import make_mesh
+
+    try:
+        devices = aot.TpuSlice.v5p(slice_name).devices()
+    except Exception as e:  # libtpu present but unusable on this host
+        pytest.skip(f"no TPU topology from libtpu: {e}")
+    return make_mesh(MeshConfig(data=1, **axes), devices)
+
+
 @pytest.mark.tpu_aot
 def test_newton_schulz_of_fsdp_sharded_experts_is_not_replicated_on_tpu():
     """Compiled for v5p-8 (libtpu, no TPU): stacked experts' blocks stored over expert x fsdp and
     orthogonalised together. XLA:TPU gathers the blocks to concatenate and orthogonalise them; without
     the spread the fsdp devices repeat each other's work (1.33x the analytic share here, 8.5x for full
     K3 on v5p-2048)."""
-    pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
+    from k3jax import breakdown
 
-    from k3jax import aot, breakdown
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    try:
-        devices = aot.TpuSlice.v5p("v5p-8").devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2), devices)
+    mesh = _v5p_mesh("v5p-8", fsdp=2, expert=2)
     layers, e, r = 4, 16, 128  # three stacked [r, r] expert weights, batched together (one block shape)
     x = jax.ShapeDtypeStruct((layers, e, r, r), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P(None, "expert", "fsdp", None)))
@@ -188,20 +194,12 @@ def test_newton_schulz_spread_keeps_blocks_in_their_expert_group_on_tpu():
     every block to another expert group, which XLA:TPU did by gathering the whole batch on every device
     (all-reduce bytes = the whole batch); with ``expert`` as the spread's major axis each device
     exchanges a few times its share inside its group (measured 4.7% of the batch)."""
-    pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
+    from k3jax import breakdown
 
-    from k3jax import aot, breakdown
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    try:
-        devices = aot.TpuSlice.v5p("v5p-512").devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=64, sequence=2), devices)
+    mesh = _v5p_mesh("v5p-512", fsdp=2, expert=64, sequence=2)
     layers, e, r = 4, 384, 256
     x = jax.ShapeDtypeStruct((layers, e, r, r), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P(None, "expert", ("fsdp", "sequence"), None)))
@@ -221,19 +219,11 @@ def test_stack_of_single_blocks_is_orthogonalised_once_over_the_mesh_on_tpu():
     orthogonalises at most one block. (Full K3, one layer at a time: each layer's single block was
     padded to the 1024 devices or its matmuls split along a 7-row shard; the shared experts'
     Newton-Schulz was 61% of the optimizer's FLOPs, which were 4.2x their analytic count.)"""
-    pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from k3jax import breakdown
 
-    from k3jax import aot, breakdown
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    try:
-        devices = aot.TpuSlice.v5p("v5p-16").devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = make_mesh(MeshConfig(data=1, fsdp=8), devices)
+    mesh = _v5p_mesh("v5p-16", fsdp=8)
     layers, r, o = 2, 256, 512
     sharded = NamedSharding(mesh, P(None, "fsdp", None))
     g = jax.ShapeDtypeStruct((layers, r, o), jnp.bfloat16, sharding=sharded)
@@ -712,19 +702,11 @@ def test_stacked_experts_are_orthogonalised_several_layers_at_a_time_on_tpu():
     """Compiled for v5p-16 (expert 4 x fsdp 2): 12 experts per layer are 3 blocks per expert group of 2
     devices, padded to 4 one layer at a time (8 blocks per device over 4 layers); two layers at a time
     are 6 blocks, padded to 6."""
-    pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from k3jax import breakdown
 
-    from k3jax import aot, breakdown
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    try:
-        devices = aot.TpuSlice.v5p("v5p-16").devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=4), devices)
+    mesh = _v5p_mesh("v5p-16", fsdp=2, expert=4)
     layers, e, r, o = 4, 12, 256, 512
     sharded = NamedSharding(mesh, P(None, "expert", "fsdp", None))
     params = {"w": jax.ShapeDtypeStruct((layers, e, r, o), jnp.bfloat16, sharding=sharded)}
@@ -748,20 +730,12 @@ def test_single_block_weights_are_spread_with_their_shape_on_tpu(monkeypatch):
     are over most of the mesh) join the spread of their block shape: at most one whole block per device.
     In their storage sharding each device did part of every weight's iteration, 1.75 blocks' work (K3's
     shared experts: 17x their share of the analytic count)."""
-    pytest.importorskip("libtpu")
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
+    from k3jax import breakdown
 
-    from k3jax import aot, breakdown
-    from k3jax.config import MeshConfig
-    from k3jax.sharding import make_mesh
-
-    try:
-        devices = aot.TpuSlice.v5p("v5p-16").devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=4), devices)
+    mesh = _v5p_mesh("v5p-16", fsdp=2, expert=4)
     r, o = 1024, 4096
     x = jax.ShapeDtypeStruct((r, o), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
     dn = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
