@@ -750,3 +750,32 @@ def test_single_block_weights_are_spread_with_their_shape_on_tpu(monkeypatch):
     assert per_device() <= 1.05 * one_block
     monkeypatch.setattr(optim, "LARGE_BLOCK_ELEMENTS", 0)  # every weight in its storage sharding: the old way
     assert per_device() > 1.5 * one_block  # measured 1.75 blocks
+
+
+@pytest.mark.tpu_aot
+def test_several_layers_per_step_keep_the_experts_split_on_tpu():
+    """Compiled for v5p-512 (K2's mesh): a K2-sized expert stack, 4 layers of 384 [2048, 7168] blocks,
+    runs 2 layers per step (6 blocks per device in all, where one layer at a time pads 1.5 to 2 per layer)
+    and keeps the merged batch split over ``expert``: without the constraint XLA:TPU held whole batches
+    of blocks on every device (169 GiB of temporaries)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax import breakdown
+
+    mesh = _v5p_mesh("v5p-512", fsdp=2, expert=64, sequence=2)
+    layers, e, r, o = 4, 384, 2048, 7168
+    sharded = NamedSharding(mesh, P(None, "expert", None, ("fsdp", "sequence")))
+    x = jax.ShapeDtypeStruct((layers, e, r, o), jnp.float32, sharding=sharded)
+    dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
+    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        assert optim.layers_per_step(x, dn) == 2
+        state = jax.eval_shape(tx.init, {"w": x})
+        state = state._replace(mu={"w": jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=sharded)},
+                               count=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
+        compiled = jax.jit(tx.update).lower({"w": x}, state).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 * 2**30
+    one_block = 5 * (4 * r * r * o + 2 * r ** 3)
+    per_device = breakdown.breakdown(compiled.as_text()).part_flops("newton_schulz")
+    assert per_device == pytest.approx(6 * one_block, rel=0.05), per_device / one_block
