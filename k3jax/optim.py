@@ -378,6 +378,10 @@ def spread_whole_stack(num_blocks: int) -> bool:
 # r^3 of G G on every device: 17x its share for K3's shared experts).
 LARGE_BLOCK_ELEMENTS = 1 << 26
 
+# The leading logical axes (``out_sharding``) of the scanned groups' routed experts, [layers, E, ...]: the
+# stacks that run several layers per optimizer step (layers_per_step).
+STACKED_EXPERTS_AXES = ("layers", "expert")
+
 # Newton-Schulz blocks a device works on at once when layers of a stack are updated together: bounds the
 # optimizer's temporaries (K3's routed-expert blocks are [3072, 3584], ~0.1 GB of bf16 work each).
 MAX_BLOCKS_PER_DEVICE_STEP = 16
@@ -523,6 +527,7 @@ def _drop_leading_axis(dn: MDN) -> MDN:
 def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95, ns_steps: int = 5,
                           ns_coeffs=NS_COEFFS, eps: float = 1e-8, nesterov: bool = True, mu_dtype=None,
                           stacked: Callable[[Any], Any] | None = None,
+                          expert_stacks: Callable[[Any], Any] | None = None,
                           group_max_size: int = 1 << 22) -> optax.GradientTransformation:
     """``optax.contrib.scale_by_muon`` (same momentum, bias correction and Nesterov form) with the
     Newton-Schulz step of :func:`orthogonalize_blocks`. ``dim_nums(updates)`` returns a tree of
@@ -532,7 +537,9 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
     than ``group_max_size`` run their whole update (momentum, Nesterov, Newton-Schulz) one layer at a
     time under ``lax.map``, so the optimizer's temporaries are one layer's, not the whole stack's
     (for full K3's 22-group stacks of routed experts that is the difference between fitting and not),
-    unless the stack's blocks fit one per device (:func:`spread_whole_stack`).
+    unless the stack's blocks fit one per device (:func:`spread_whole_stack`). ``expert_stacks(updates)``
+    (optional) marks the stacked leaves whose axis 1 is the routed experts (``[layers, E, ...]``): those
+    run several layers per step (:func:`layers_per_step`), their blocks regrouped expert-major.
     """
 
     def init_fn(params):
@@ -559,10 +566,12 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
         mus = treedef.flatten_up_to(state.mu)
         dns = treedef.flatten_up_to(dim_nums(updates))
         per_layer = treedef.flatten_up_to(stacked(updates)) if stacked is not None else [False] * len(leaves)
+        experts = (treedef.flatten_up_to(expert_stacks(updates)) if expert_stacks is not None
+                   else [False] * len(leaves))
         out, new_mu, batched = [None] * len(leaves), [None] * len(leaves), []
-        for i, (g, m, dn, layered) in enumerate(zip(leaves, mus, dns, per_layer)):
+        for i, (g, m, dn, layered, of_experts) in enumerate(zip(leaves, mus, dns, per_layer, experts)):
             if layered and g.size > group_max_size and g.shape[0] > 1 and not spread_whole_stack(_num_blocks(g, dn)):
-                layers = layers_per_step(g, dn)
+                layers = layers_per_step(g, dn) if of_experts else 1
                 if layers == 1:
                     def one_layer(gm, dn=_drop_leading_axis(dn)):
                         m_hat, m_new = moments(*gm)
@@ -615,6 +624,7 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     labels_t = {p: g for p, (g, _, _) in table.items()}
     dims_t = {p: dn for p, (_, dn, _) in table.items()}
     decay_t = {p: d for p, (_, _, d) in table.items()}
+    experts_t = {p: (_axes_of(var) or ())[:2] == STACKED_EXPERTS_AXES for p, var in _flat_params(model)}
 
     def labels(params):
         return jax.tree_util.tree_map_with_path(_path_lookup(labels_t, "labels"), params)
@@ -625,6 +635,9 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     def stacked(updates):  # the scanned layer groups' weights: axis 0 is the group
         return jax.tree_util.tree_map_with_path(lambda path, _: LayerPlan.is_stacked(normalize_path(path)), updates)
 
+    def expert_stacks(updates):  # stacked routed experts: [layers, E, ...]
+        return jax.tree_util.tree_map_with_path(_path_lookup(experts_t, "expert stacks"), updates)
+
     def adam_decay_mask(params):
         return jax.tree_util.tree_map_with_path(_path_lookup(decay_t, "decay mask"), params)
 
@@ -634,7 +647,7 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     muon_tx = optax.chain(
         scale_by_grouped_muon(dim_nums, beta=cfg.muon_beta, ns_steps=cfg.ns_steps, nesterov=True,
                               mu_dtype=None if cfg.muon_dtype == "float32" else jnp.dtype(cfg.muon_dtype),
-                              stacked=stacked),
+                              stacked=stacked, expert_stacks=expert_stacks),
         scale_by_consistent_rms(dim_nums, CONSISTENT_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(muon_lr),

@@ -692,7 +692,8 @@ def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
 
     want = run()
     monkeypatch.setattr(optim, "layers_per_step", lambda x, dn: 2)
-    got = run(stacked=lambda u: {"experts": True, "down": True})
+    both = lambda u: {"experts": True, "down": True}  # noqa: E731
+    got = run(stacked=both, expert_stacks=both)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -711,8 +712,8 @@ def test_stacked_experts_are_orthogonalised_several_layers_at_a_time_on_tpu():
     sharded = NamedSharding(mesh, P(None, "expert", "fsdp", None))
     params = {"w": jax.ShapeDtypeStruct((layers, e, r, o), jnp.bfloat16, sharding=sharded)}
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True}, group_max_size=1 << 16,
-                                     mu_dtype=jnp.bfloat16)
+    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+                                     expert_stacks=lambda u: {"w": True}, group_max_size=1 << 16, mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, params)
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded if x.ndim == 4
@@ -768,7 +769,8 @@ def test_several_layers_per_step_keep_the_experts_split_on_tpu():
     sharded = NamedSharding(mesh, P(None, "expert", None, ("fsdp", "sequence")))
     x = jax.ShapeDtypeStruct((layers, e, r, o), jnp.float32, sharding=sharded)
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
+    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+                                     expert_stacks=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
         assert optim.layers_per_step(x, dn) == 2
         state = jax.eval_shape(tx.init, {"w": x})
