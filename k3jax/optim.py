@@ -406,15 +406,17 @@ def layers_per_step(x: jax.Array, dn: MDN) -> int:
     return best_layers_per_step(num_layers, per_layer // groups, mesh.size // groups)
 
 
-def _experts_major(x: jax.Array) -> jax.Array:
-    """``x [E * layers, ...]`` (experts major) constrained to be split over ``expert`` on axis 0, the
-    other axes left to the compiler: without it XLA:TPU lost the experts' split of the merged axis and
-    kept whole batches of blocks on every device (K2 on v5p-512: 169 GiB of temporaries for 4 layers)."""
+def _split_over_experts(x: jax.Array, axis: int) -> jax.Array:
+    """``x`` constrained to be split over ``expert`` along ``axis``, its other axes left to the compiler.
+    For the several-layers-per-step path: without it XLA:TPU lost the experts' split of the merged batch
+    (whole batches of blocks on every device: 169 GiB of temporaries for 4 K2 layers) and of the stacked
+    results (4.98 TB for K2's PLAN row)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or x.shape[0] % dict(mesh.shape)[EXPERT_AXIS]:
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or x.shape[axis] % dict(mesh.shape)[EXPERT_AXIS]:
         return x
-    free = jax.sharding.PartitionSpec.UNCONSTRAINED
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(EXPERT_AXIS, *[free] * (x.ndim - 1)))
+    spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[axis] = EXPERT_AXIS
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
 
 
 def best_layers_per_step(num_layers: int, blocks_per_group: int, devices_per_group: int,
@@ -584,10 +586,11 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
                 def some_layers(gm, dn=_drop_leading_axis(dn)):  # gm: [layers, E, ...]; [layers * E, ...] below
                     m_hat, m_new = moments(*gm)
                     x = jnp.swapaxes(m_hat, 0, 1)  # expert-major, so merging keeps the experts' sharding
-                    x = _experts_major(x.reshape(-1, *x.shape[2:]))
+                    x = _split_over_experts(x.reshape(-1, *x.shape[2:]), 0)
                     x = orthogonalize_blocks([x], [dn], ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
                                              group_max_size=group_max_size)[0]
-                    return jnp.swapaxes(x.reshape(m_hat.shape[1], layers, *x.shape[1:]), 0, 1), m_new
+                    x = jnp.swapaxes(x.reshape(m_hat.shape[1], layers, *x.shape[1:]), 0, 1)
+                    return _split_over_experts(x, 1), _split_over_experts(m_new, 1)
 
                 steps = lambda a: a.reshape(-1, layers, *a.shape[1:])  # noqa: E731
                 o, mu = jax.lax.map(some_layers, (steps(g), steps(m)))
