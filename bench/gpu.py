@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels import kda_cost  # noqa: E402
+import kernels  # noqa: E402
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -129,17 +129,11 @@ def ceilings(quick, repeats):
 
 
 def kda_inputs(B, T, H, K, V, dtype, seed):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q = nrm(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
-    k = nrm(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, H, V)).astype(dtype)
-    g = -5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (B, T, H, K)))  # the K3 gate's range
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-    h0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V))
-    do = jax.random.normal(ks[6], (B, T, H, V))
-    dS = jax.random.normal(ks[7], (B, H, K, V))
-    return q, k, v, g, beta, h0, do, dS
+    """bench/kernels.py's KDA inputs (l2-normalised q/k, the K3 gate's range) and random cotangents
+    ``do [B, T, H, V]``, ``dS [B, H, K, V]``."""
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 2)
+    return (*kernels.kda_inputs(B, T, H, K, V, dtype, seed), jax.random.normal(ks[0], (B, T, H, V)),
+            jax.random.normal(ks[1], (B, H, K, V)))
 
 
 def kda_value_and_grads(fn, C, segment_ids=None):
@@ -246,7 +240,7 @@ def kda_bench(quick, repeats, seed, peers=("fla_triton", "hf_torch")):
     from pallas_kernels.kda import chunk_kda as pallas_kda
 
     B, T, H, K, V, C = KDA_SHAPES["quick" if quick else "full"]
-    flops, _ = kda_cost(B, T, H, K, V, C, 2)
+    flops, _ = kernels.kda_cost(B, T, H, K, V, C, 2)
     q, k, v, g, beta, h0, do, dS = kda_inputs(B, T, H, K, V, jnp.bfloat16, seed)
     res = {"shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": C, "qkv": "bfloat16"},
            "flops_fwd": flops}

@@ -34,6 +34,7 @@ The optimizer's FLOPs (Muon's Newton-Schulz iterations) are not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import tempfile
@@ -117,8 +118,6 @@ class HFStep:
     under ``torch.autocast`` to ``autocast`` (a torch dtype) when given (bench/gpu.py: bf16 on the GPU)."""
 
     def __init__(self, model, batch, device="cpu", autocast=None):
-        import contextlib
-
         self.model = model.train()
         self.ids = torch.as_tensor(batch["tokens"], dtype=torch.long, device=device)
         self.opt = torch.optim.AdamW(model.parameters(), lr=HF_LEARNING_RATE, weight_decay=HF_WEIGHT_DECAY)

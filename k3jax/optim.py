@@ -401,9 +401,16 @@ def layers_per_step(x: jax.Array, dn: MDN) -> int:
     if mesh.empty or mesh.size == 1 or x.ndim < 4 or 1 in red + out:
         return 1
     num_layers, per_layer = x.shape[0], _num_blocks(x, dn) // x.shape[0]
-    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
-    groups = experts if per_layer % experts == 0 else 1  # as _spread_blocks groups them
+    groups = _expert_groups(mesh, per_layer)
     return best_layers_per_step(num_layers, per_layer // groups, mesh.size // groups)
+
+
+def _expert_groups(mesh, num_blocks: int) -> int:
+    """The groups :func:`_spread_blocks` splits ``num_blocks`` blocks into, each spread over its own
+    ``mesh.size / groups`` devices: the ``expert`` axis's size when it divides the blocks (stacked experts
+    stay in their expert group), else 1."""
+    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
+    return experts if num_blocks % experts == 0 else 1
 
 
 def _split_over_experts(x: jax.Array, axis: int) -> jax.Array:
@@ -451,8 +458,7 @@ def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.A
         return x, lambda y: y
     P = jax.sharding.PartitionSpec
     n, r, o = x.shape
-    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
-    groups = experts if n % experts == 0 else 1
+    groups = _expert_groups(mesh, n)
     per_group, pad = n // groups, -(n // groups) % (mesh.size // groups)
 
     def pad_groups(y):  # [n, r, o] -> [groups * (per_group + pad), r, o], padding at each group's end

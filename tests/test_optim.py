@@ -164,6 +164,19 @@ def _v5p_mesh(slice_name: str, **axes):
     return make_mesh(MeshConfig(data=1, **axes), devices)
 
 
+def _compile_muon_update(tx, params, mesh, sharding):
+    """``tx.update`` compiled for abstract ``params`` on ``mesh``: the momentum stored like the parameters
+    (``sharding``), the step count replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(tx.init, params)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sharding if x.ndim else NamedSharding(mesh, P())), state)
+        return jax.jit(tx.update).lower(params, state).compile()
+
+
 @pytest.mark.tpu_aot
 def test_newton_schulz_of_fsdp_sharded_experts_is_not_replicated_on_tpu():
     """Compiled for v5p-8 (libtpu, no TPU): stacked experts' blocks stored over expert x fsdp and
@@ -231,11 +244,7 @@ def test_stack_of_single_blocks_is_orthogonalised_once_over_the_mesh_on_tpu():
     dn = optim.MDN(reduction_axis=(1,), output_axis=(2,))
     tx = optim.scale_by_grouped_muon(lambda u: {k: dn for k in u}, stacked=lambda u: {k: True for k in u},
                                      group_max_size=1 << 16, mu_dtype=jnp.bfloat16)
-    with jax.set_mesh(mesh):
-        state = jax.eval_shape(tx.init, params)
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded if x.ndim == 3
-                                                            else NamedSharding(mesh, P())), state)
-        hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+    hlo = _compile_muon_update(tx, params, mesh, sharded).as_text()
     per_device = breakdown.breakdown(hlo).part_flops("newton_schulz")
     one_block = 5 * (2 * r * r * o * 2 + 2 * r ** 3)  # five iterations of X X^T, (X X^T)^2, (.) X
     assert 0.9 * one_block <= per_device <= 1.1 * one_block, per_device / one_block
@@ -714,11 +723,7 @@ def test_stacked_experts_are_orthogonalised_several_layers_at_a_time_on_tpu():
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
     tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
                                      expert_stacks=lambda u: {"w": True}, group_max_size=1 << 16, mu_dtype=jnp.bfloat16)
-    with jax.set_mesh(mesh):
-        state = jax.eval_shape(tx.init, params)
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded if x.ndim == 4
-                                                            else NamedSharding(mesh, P())), state)
-        hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+    hlo = _compile_muon_update(tx, params, mesh, sharded).as_text()
     per_device = breakdown.breakdown(hlo).part_flops("newton_schulz")
     one_block = 5 * (2 * r * r * o * 2 + 2 * r ** 3)
     assert 0.9 * 6 * one_block <= per_device <= 1.1 * 6 * one_block, per_device / one_block
@@ -773,10 +778,7 @@ def test_several_layers_per_step_keep_the_experts_split_on_tpu():
                                      expert_stacks=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
         assert optim.layers_per_step(x, dn) == 2
-        state = jax.eval_shape(tx.init, {"w": x})
-        state = state._replace(mu={"w": jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=sharded)},
-                               count=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
-        compiled = jax.jit(tx.update).lower({"w": x}, state).compile()
+    compiled = _compile_muon_update(tx, {"w": x}, mesh, sharded)
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * 2**30
     one_block = 5 * (4 * r * r * o + 2 * r ** 3)
     per_device = breakdown.breakdown(compiled.as_text()).part_flops("newton_schulz")
