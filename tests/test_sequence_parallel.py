@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from cpu_devices import run_on_cpu_devices
+from cpu_devices import RELATIVE_ERROR, run_on_cpu_devices
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import AxisType
@@ -52,10 +52,6 @@ SCRIPT = textwrap.dedent("""
         layer = lambda p, h: nnx.merge(mla_def, p)(h, positions=positions, segment_ids=segment_ids)[0]
         return [("conv", conv, sp_conv, (x, w)), ("kda", kda, sp_kda, (q, k, v, g, beta)),
                 ("mla", layer, layer, (mla_params, h))]
-
-    def rel(a, b):
-        return max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(jax.tree.leaves(a),
-                                                                                        jax.tree.leaves(b)))
 
     meshes = [((8,), ("sequence",)), ((2, 2, 2), ("data", "sequence", "tensor"))]
     worst = {}
