@@ -15,9 +15,10 @@ processes hits all of them alike), after a warm-up call that also gives the comp
   weights and architecture, so ``k3jax_kimi_linear / hf_kimi_linear`` is the like-for-like figure;
   the logits are compared once (``parity``).
 
-Prefill = a call generating 0 new tokens (k3jax) / 1 token (HF: its first token comes from the
-prefill logits); decode tokens/s = ``B * N / (t(N) - t(prefill))``, both sides running N single-token
-forward passes in that difference, taken within each repeat. Medians over ``--repeats`` (and the
+Prefill = a call generating 1 token (HF: its first token comes from the prefill logits; k3jax also
+runs the forward of that token, ~1/100 of a 128-token prefill); decode tokens/s =
+``B * N / (t(N + 1 tokens) - t(prefill))``, both sides running N single-token forward passes in that
+difference, taken within each repeat. Medians over ``--repeats`` (and the
 best repeat, the figure least disturbed by other load; ``load_average`` says how busy the machine
 was). Float32 everywhere.
 
@@ -55,7 +56,9 @@ MIN_DURATION_S = 1e-6  # floor of a measured decode time (a difference of two ti
 def k3jax_runner(model, prompt, new_tokens):
     """(prefill, generate, block) callables for one k3jax model and prompt batch."""
     prompt = jax.device_put(prompt)
-    return (lambda: generate(model, prompt, 0), lambda: generate(model, prompt, new_tokens),
+    # generate(n) runs the prefill and n single-token forwards (each sampled token is fed back, the last
+    # one too): generate(1) and generate(N + 1) differ by N forwards, as HF's calls below.
+    return (lambda: generate(model, prompt, 1), lambda: generate(model, prompt, new_tokens + 1),
             jax.block_until_ready)
 
 
