@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from k3jax import optim
+from k3jax import newton_schulz, optim
 from k3jax.config import OptimConfig, load_config
 from k3jax.model import abstract_model, create_model
 
@@ -127,11 +127,11 @@ def test_cpu_block_by_block_newton_schulz_equals_the_batch(monkeypatch, shape):
     dn = optim.MDN(reduction_axis=(-2,), output_axis=(-1,))
 
     def run():
-        f = jax.jit(lambda x: optim.orthogonalize_blocks([x], [dn])[0])
+        f = jax.jit(lambda x: newton_schulz.orthogonalize_blocks([x], [dn])[0])
         return f(x), f.lower(x).compile().as_text().count(" while(")
 
     got, got_loops = run()
-    monkeypatch.setattr(optim, "CPU_BLOCK_LOOP_ELEMENTS", 0)
+    monkeypatch.setattr(newton_schulz, "CPU_BLOCK_LOOP_ELEMENTS", 0)
     want, want_loops = run()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert got_loops > want_loops
@@ -142,12 +142,12 @@ NEWTON_SCHULZ_ON_4_DEVICES = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
-from k3jax import breakdown, optim
+from k3jax import breakdown, newton_schulz
 
 # 6 stacked [64, 96] blocks stored as FSDP shards: the matrix rows split over the 4 devices
 x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 64, 96)), jnp.float32)
 dn = MDN(reduction_axis=1, output_axis=2)
-fn = jax.jit(lambda x: optim.orthogonalize_blocks([x], [dn], group_max_size=1)[0])
+fn = jax.jit(lambda x: newton_schulz.orthogonalize_blocks([x], [dn], group_max_size=1)[0])
 want = fn(x)  # one device
 one_block = 5 * 2 * (64 * 64 * 96 + 64 * 64 * 64 + 64 * 64 * 96)  # 5 steps of X X^T, G G, G X
 for axis_type in (AxisType.Auto, AxisType.Explicit):  # the framework's meshes are Auto
@@ -214,7 +214,7 @@ def test_newton_schulz_of_fsdp_sharded_experts_is_not_replicated_on_tpu():
                              sharding=NamedSharding(mesh, P(None, "expert", "fsdp", None)))
     dn = MuonDimensionNumbers(reduction_axis=2, output_axis=3)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(lambda *xs: optim.orthogonalize_blocks(xs, [dn] * 3)).lower(x, x, x).compile()
+        hlo = jax.jit(lambda *xs: newton_schulz.orthogonalize_blocks(xs, [dn] * 3)).lower(x, x, x).compile()
     per_device = breakdown.breakdown(hlo.as_text()).part_flops("newton_schulz")
     analytic = 3 * layers * e * 5 * 2 * 3 * r ** 3 / mesh.size
     assert per_device <= 1.2 * analytic, per_device / analytic
@@ -238,7 +238,7 @@ def test_newton_schulz_spread_keeps_blocks_in_their_expert_group_on_tpu():
                              sharding=NamedSharding(mesh, P(None, "expert", ("fsdp", "sequence"), None)))
     dn = MuonDimensionNumbers(reduction_axis=2, output_axis=3)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(lambda *xs: optim.orthogonalize_blocks(xs, [dn] * 3)).lower(x, x, x).compile()
+        hlo = jax.jit(lambda *xs: newton_schulz.orthogonalize_blocks(xs, [dn] * 3)).lower(x, x, x).compile()
     moved = sum(breakdown.breakdown(hlo.as_text()).collective_bytes.values())
     whole = 3 * layers * e * r * r * 2
     assert moved < 0.1 * whole, moved / whole
@@ -692,13 +692,13 @@ def test_layer_by_layer_muon_equals_the_batched_update():
 
 def test_layers_per_step_pads_least():
     # full K3 on v5p-2048: 14 experts per group of 16 devices, 22 layers -> 11 (20 blocks per device, not 22)
-    assert optim.best_layers_per_step(22, 14, 16) == 11
+    assert newton_schulz.best_layers_per_step(22, 14, 16) == 11
     # K2 on v5p-512: 6 experts per group of 4 devices, 60 layers -> 2 (90 blocks, not 120)
-    assert optim.best_layers_per_step(60, 6, 4) == 2
-    assert optim.best_layers_per_step(8, 4, 4) == 1  # no padding at one layer: the smallest wins the tie
+    assert newton_schulz.best_layers_per_step(60, 6, 4) == 2
+    assert newton_schulz.best_layers_per_step(8, 4, 4) == 1  # no padding at one layer: the smallest wins the tie
     # a prime layer count: all of them at once would be 92 blocks per device per step, over the cap
-    assert optim.best_layers_per_step(61, 6, 4) == 1
-    assert optim.best_layers_per_step(61, 6, 4, max_blocks_per_step=100) == 61
+    assert newton_schulz.best_layers_per_step(61, 6, 4) == 1
+    assert newton_schulz.best_layers_per_step(61, 6, 4, max_blocks_per_step=100) == 61
 
 
 def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
@@ -720,7 +720,7 @@ def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
         return outs, state.mu
 
     want = run()
-    monkeypatch.setattr(optim, "layers_per_step", lambda x, dn: 2)
+    monkeypatch.setattr(newton_schulz, "layers_per_step", lambda x, dn: 2)
     both = lambda u: {"experts": True, "down": True}  # noqa: E731
     got = run(stacked=both, expert_stacks=both)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
@@ -768,13 +768,13 @@ def test_single_block_weights_are_spread_with_their_shape_on_tpu(monkeypatch):
 
     def per_device():
         with jax.set_mesh(mesh):
-            hlo = jax.jit(lambda *xs: optim.orthogonalize_blocks(xs, [dn] * 6, group_max_size=1 << 16)).lower(
+            hlo = jax.jit(lambda *xs: newton_schulz.orthogonalize_blocks(xs, [dn] * 6, group_max_size=1 << 16)).lower(
                 *[x] * 6).compile().as_text()
         return breakdown.breakdown(hlo).part_flops("newton_schulz")
 
     one_block = 5 * (4 * r * r * o + 2 * r ** 3)
     assert per_device() <= 1.05 * one_block
-    monkeypatch.setattr(optim, "LARGE_BLOCK_ELEMENTS", 0)  # every weight in its storage sharding: the old way
+    monkeypatch.setattr(newton_schulz, "LARGE_BLOCK_ELEMENTS", 0)  # every weight in its storage sharding: the old way
     assert per_device() > 1.5 * one_block  # measured 1.75 blocks
 
 
@@ -797,7 +797,7 @@ def test_several_layers_per_step_keep_the_experts_split_on_tpu():
     tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
                                      expert_stacks=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
-        assert optim.layers_per_step(x, dn) == 2
+        assert newton_schulz.layers_per_step(x, dn) == 2
     compiled = _compile_muon_update(tx, {"w": x}, mesh, sharded)
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * 2**30
     one_block = 5 * (4 * r * r * o + 2 * r ** 3)
