@@ -31,6 +31,7 @@ from k3jax.layers.initializers import abstract_init, cast, normal
 from k3jax.layers.kda import KDA
 from k3jax.layers.latent_moe import LatentMoE
 from k3jax.layers.mla import MLA
+from k3jax.sharding import constrain_activation
 from k3jax.layers.norm import RMSNorm
 from k3jax.vision.inputs import VisionInputs
 from k3jax.vision.moonvit import MoonViT
@@ -60,6 +61,12 @@ class ForwardStats(NamedTuple):
     max_logits: dict  # {layer: [H] float32} of every MLA layer, when asked for (``max_logits=True``)
 
 
+# Logical axes of the residual stream [B, T, d] between sublayers (k3jax.sharding.constrain_activation): rows
+# over the data-like axes, tokens over `sequence`, the hidden width whole. Left to GSPMD, K3's backward on
+# v5p-1024 took another split of the rows and gathered whole-batch activations to switch (docs/scale.md).
+RESIDUAL_AXES = ("batch", "length", None)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm mixer + FFN, with either a plain residual or Block AttnRes around each sublayer."""
 
@@ -78,7 +85,8 @@ class DecoderLayer(nnx.Module):
     def _mix(self, h, ctx: "_Context", cache):
         """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
         with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.breakdown
-            return self._mix_unscoped(h, ctx, cache)
+            y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache)
+            return constrain_activation(y, RESIDUAL_AXES), cache, max_logits
 
     def _mix_unscoped(self, h, ctx: "_Context", cache):
         if self.kind[0] == "kda":
@@ -90,10 +98,12 @@ class DecoderLayer(nnx.Module):
         return out if ctx.max_logits else (*out, None)
 
     def _ffn(self, h, ctx: "_Context"):
+        h = constrain_activation(h, RESIDUAL_AXES)
         if self.kind[1] == "dense":
             with jax.named_scope("dense_ffn"):
-                return self.ffn(self.ffn_norm(h)), None
-        return self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
+                return constrain_activation(self.ffn(self.ffn_norm(h)), RESIDUAL_AXES), None
+        y, router = self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
+        return constrain_activation(y, RESIDUAL_AXES), router
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
         """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on; layer_idx:

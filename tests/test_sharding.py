@@ -137,3 +137,35 @@ def test_gathered_weight_gradient_is_reduce_scattered_on_tpu():
     assert moved["all-gather"] == pytest.approx(share), moved  # the forward gather
     assert moved["reduce-scatter"] == pytest.approx(share), moved
     assert moved.get("all-reduce", 0) < share / 10, moved
+
+
+def test_activations_are_constrained_to_their_logical_layout():
+    """constrain_activation pins an activation to the layout of its logical axes under a mesh (rows over the
+    data-like axes, tokens over `sequence`; an axis that does not divide is left out) and is the identity
+    without one; the model's residual stream between sublayers carries the constraint."""
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType
+
+    from k3jax import load_config
+    from k3jax.model import RESIDUAL_AXES, create_model
+    from k3jax.sharding import constrain_activation
+
+    mesh = AbstractMesh((2, 1, 2, 2, 1), ("data", "fsdp", "expert", "sequence", "tensor"),
+                        axis_types=(AxisType.Auto,) * 5)
+
+    def specs(fn, *args):
+        with jax.sharding.use_abstract_mesh(mesh):
+            jaxpr = jax.make_jaxpr(fn)(*args)
+        return [e.params["sharding"].spec for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"]
+
+    x = jax.ShapeDtypeStruct((4, 8, 6), jnp.float32)
+    assert specs(lambda x: constrain_activation(x, RESIDUAL_AXES), x) == [P(("data", "expert"), "sequence", None)]
+    odd = jax.ShapeDtypeStruct((4, 1, 6), jnp.float32)  # one decode token: not split over `sequence`
+    assert specs(lambda x: constrain_activation(x, RESIDUAL_AXES), odd) == [P(("data", "expert"), None, None)]
+    assert not jax.make_jaxpr(lambda x: constrain_activation(x, RESIDUAL_AXES))(x).eqns
+
+    cfg = load_config("tiny", ["model.num_layers=2", "model.scan_layers=false"]).model
+    model = create_model(cfg)
+    tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    found = specs(lambda t: model.forward(t)[0], tokens)
+    assert found.count(P(("data", "expert"), "sequence", None)) >= 4 * cfg.num_layers, found

@@ -7,6 +7,10 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers.initializers import cast, normal
 from k3jax.ops.activations import glu
+from k3jax.sharding import constrain_activation
+
+# Logical axes of the hidden activations [B, T, F].
+HIDDEN_AXES = ("batch", "length", "mlp")
 
 
 class GatedFFN(nnx.Module):
@@ -23,7 +27,7 @@ class GatedFFN(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[B, T, d]`` -> ``[B, T, d]``."""
         x = x.astype(self.dtype)
-        gate = jnp.einsum("btd,df->btf", x, cast(self.w_gate, self.dtype))
-        up = jnp.einsum("btd,df->btf", x, cast(self.w_up, self.dtype))
-        h = glu(gate, up, self.activation, self.beta, self.linear_beta)
+        gate = constrain_activation(jnp.einsum("btd,df->btf", x, cast(self.w_gate, self.dtype)), HIDDEN_AXES)
+        up = constrain_activation(jnp.einsum("btd,df->btf", x, cast(self.w_up, self.dtype)), HIDDEN_AXES)
+        h = constrain_activation(glu(gate, up, self.activation, self.beta, self.linear_beta), HIDDEN_AXES)
         return jnp.einsum("btf,fd->btd", h, cast(self.w_down, self.dtype))
