@@ -31,8 +31,8 @@ from k3jax.layers.initializers import abstract_init, cast, normal
 from k3jax.layers.kda import KDA
 from k3jax.layers.latent_moe import LatentMoE
 from k3jax.layers.mla import MLA
-from k3jax.sharding import constrain_activation
 from k3jax.layers.norm import RMSNorm
+from k3jax.sharding import constrain_activation
 from k3jax.vision.inputs import VisionInputs
 from k3jax.vision.moonvit import MoonViT
 from k3jax.vision.projector import Projector
@@ -98,11 +98,12 @@ class DecoderLayer(nnx.Module):
         return out if ctx.max_logits else (*out, None)
 
     def _ffn(self, h, ctx: "_Context"):
-        h = constrain_activation(h, RESIDUAL_AXES)
+        h = self.ffn_norm(constrain_activation(h, RESIDUAL_AXES))
         if self.kind[1] == "dense":
             with jax.named_scope("dense_ffn"):
-                return constrain_activation(self.ffn(self.ffn_norm(h)), RESIDUAL_AXES), None
-        y, router = self.ffn(self.ffn_norm(h), token_mask=ctx.token_valid)
+                y, router = self.ffn(h), None
+        else:
+            y, router = self.ffn(h, token_mask=ctx.token_valid)
         return constrain_activation(y, RESIDUAL_AXES), router
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
