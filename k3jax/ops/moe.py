@@ -71,9 +71,11 @@ def grouped_by_expert(x: jax.Array, experts: jax.Array, num_experts: int,
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair ids grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    ys = rows_fn(jnp.take(x, order // k, axis=0), group_sizes)  # [N*k, D'], sorted by expert
+    # Every index below is in range by construction: mode="clip" gathers without the default "fill"
+    # mode's out-of-range select, a pass over every gathered value (and a buffer of their size).
+    ys = rows_fn(jnp.take(x, order // k, axis=0, mode="clip"), group_sizes)  # [N*k, D'], sorted by expert
     inverse = jnp.argsort(order)  # sorted position of each pair (a permutation's inverse)
-    return jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+    return jnp.take(ys, inverse, axis=0, mode="clip").reshape(n, k, -1)
 
 
 def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -169,8 +171,9 @@ def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: ja
     slot = jnp.arange(tile, dtype=jnp.int32)
     real = slot < filled[:, None]  # [T, tile]
     src = jnp.where(real, (first_row[ex] + offset)[:, None] + slot, 0)
-    x = jnp.where(real[..., None], jnp.take(xs, src, axis=0), jnp.zeros((), xs.dtype))  # [T, tile, D]
-    w_g, w_u, w_d = (jnp.take(w, ex, axis=0) for w in (w_gate, w_up, w_down))  # [T, D, F], [T, F, D]
+    # in-range indices: gathers with mode="clip" (as in grouped_by_expert)
+    x = jnp.where(real[..., None], jnp.take(xs, src, axis=0, mode="clip"), jnp.zeros((), xs.dtype))  # [T, tile, D]
+    w_g, w_u, w_d = (jnp.take(w, ex, axis=0, mode="clip") for w in (w_gate, w_up, w_down))  # [T, D, F], [T, F, D]
     h = glu(jnp.einsum("tsd,tdf->tsf", x, w_g), jnp.einsum("tsd,tdf->tsf", x, w_u), activation, beta, linear_beta)
     if act_quant is not None:
         h = act_quant(h)
@@ -181,4 +184,4 @@ def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: ja
     rx = jnp.minimum(row_expert, e - 1)
     owned = row_expert < e
     pos = jnp.where(owned, first_tile[rx] * tile + r - first_row[rx], 0)
-    return jnp.where(owned[:, None], jnp.take(y, pos, axis=0), jnp.zeros((), y.dtype))
+    return jnp.where(owned[:, None], jnp.take(y, pos, axis=0, mode="clip"), jnp.zeros((), y.dtype))

@@ -125,9 +125,11 @@ def _masked_glu(glu, rows, local_expert, num_local):
     ``[R, L]`` in the input order, zeros for rows of no local expert."""
     order = jnp.argsort(local_expert, stable=True)
     group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    ys = glu(jnp.take(rows, order, axis=0), group_sizes)
+    # The gathers of this module have in-range indices by construction: mode="clip" skips the default
+    # "fill" mode's out-of-range select, a pass over (and a buffer of) every gathered row.
+    ys = glu(jnp.take(rows, order, axis=0, mode="clip"), group_sizes)
     ys = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
-    return jnp.take(ys, jnp.argsort(order), axis=0)
+    return jnp.take(ys, jnp.argsort(order), axis=0, mode="clip")
 
 
 def capacity_rows(fair_share: int, worst_case: int, capacity_factor: float) -> int:
@@ -154,7 +156,7 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     me = jax.lax.axis_index(EXPERT_AXIS)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
-    sent = jnp.take(z, order // k, axis=0)  # [n*k, L]
+    sent = jnp.take(z, order // k, axis=0, mode="clip")  # [n*k, L]
     counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
     # pairs[src, dst, e]: pairs device src sends to local expert e of device dst
     pairs = jax.lax.all_gather(counts, EXPERT_AXIS).reshape(ep, ep, num_local)
@@ -177,7 +179,7 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     # back to the senders, each chunk to where it came from in the sender's sorted order
     returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), offsets[:, me], kept[:, me],
                         _exclusive_cumsum(sizes, axis=1)[:, me], kept[me], axis_name=EXPERT_AXIS)
-    pair_out = jnp.take(returned, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
     return combine_experts(weights, pair_out)
 
 
@@ -204,7 +206,7 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     order = jnp.argsort(local_expert, stable=True)[:rows]
     group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
     group_sizes = _keep_prefix(group_sizes, jnp.int32(rows))  # pairs past the capacity are dropped
-    ys = glu(jnp.take(z, order // k, axis=0), group_sizes)
+    ys = glu(jnp.take(z, order // k, axis=0, mode="clip"), group_sizes)
     ys = jnp.where((jnp.arange(rows) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
     pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
     partial = combine_experts(weights, pair_out)
@@ -224,7 +226,7 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     rows = jnp.arange(cap, dtype=input_offsets.dtype)
     take_rows = jnp.clip(input_offsets[:, None] + rows, 0, operand.shape[0] - 1)  # [ep, cap]
     keep = (rows < send_sizes[:, None]).reshape(take_rows.shape + (1,) * (operand.ndim - 1))
-    blocks = jnp.where(keep, jnp.take(operand, take_rows, axis=0), jnp.zeros((), operand.dtype))
+    blocks = jnp.where(keep, jnp.take(operand, take_rows, axis=0, mode="clip"), jnp.zeros((), operand.dtype))
     received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [ep, cap, ...]: block i from peer i
     offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where peer i's slice lands here
     put_rows = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, output.shape[0])  # past the end: dropped
