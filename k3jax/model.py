@@ -74,6 +74,7 @@ class DecoderLayer(nnx.Module):
         mixer, ffn = kind
         pd = jnp.dtype(cfg.param_dtype)
         self.kind, self.attn_res = kind, cfg.attn_res
+        self.cast_weights = cfg.dtype != cfg.param_dtype  # the layer computes in another dtype than it stores
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
         self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
@@ -133,15 +134,26 @@ class LayerGroup(nnx.Module):
     def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
         self.remat = cfg.remat
+        # A group closes at most one AttnRes block when blocks are at least a group long: its layers then
+        # share the bank they read, written once at the group's end (k3jax/layers/attn_res.py).
+        self.flush_every_layer = cfg.attn_res.block_size < len(kinds)
 
     def __call__(self, carry, first_layer, ctx, caches=None):
         stats, new_caches = [], []
+        last = len(self.layers) - 1
         for j, layer in enumerate(self.layers):
             carry, st, c = call_layer(layer, self.remat, carry, first_layer + j, ctx,
                                       None if caches is None else caches[j])
+            if j == last or self.flush_every_layer:
+                carry = flush_bank(carry)
             stats.append(st)
             new_caches.append(c)
         return carry, (tuple(stats), tuple(new_caches))
+
+
+def flush_bank(carry):
+    """Write a pending AttnRes block into the bank (``attn_res.flush``); a plain residual passes."""
+    return attn_res.flush(carry) if isinstance(carry, attn_res.AttnResState) else carry
 
 
 def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache):
@@ -157,11 +169,24 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
     if remat == "none":
         return layer(carry, layer_idx, ctx, cache)
     graphdef, state = nnx.split(layer)
+    # A layer reads the AttnRes bank but never writes it: the bank goes in, not out, so every layer of a
+    # scanned group checkpoints the same bank value and the scan saves it once per group, not per layer.
+    bank = carry.bank if isinstance(carry, attn_res.AttnResState) else None
 
     def run(state, carry, layer_idx, ctx, cache):
-        return nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
+        if layer.cast_weights:
+            # Cast this layer's weights here, in the rematerialised code: XLA would otherwise hoist the casts
+            # of whole stacked weights out of the layer scan and keep a compute-dtype copy of each alive
+            # through the forward and backward passes (full K3 on v5p-1024: 10 GB of bf16 experts per device).
+            state = jax.lax.optimization_barrier(state)
+        out, stats, cache = nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
+        if bank is not None:
+            assert out.bank is carry.bank, "a decoder layer wrote the AttnRes bank (attn_res.flush does that)"
+            out = out._replace(bank=None)
+        return out, stats, cache
 
-    return jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
+    out, stats, cache = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
+    return (out if bank is None else out._replace(bank=bank)), stats, cache
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -336,6 +361,7 @@ class K3Model(nnx.Module):
             carry = x
         for j, (layer, i) in enumerate(zip(self.prefix, plan.prefix)):
             carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.prefix[j])
+            carry = flush_bank(carry)
             new_prefix.append(c)
         new_groups = None
         if self.groups is not None:
@@ -345,6 +371,7 @@ class K3Model(nnx.Module):
                     stats[i] = jax.tree.map(lambda x, g=g: x[g], st)
         for j, (layer, i) in enumerate(zip(self.suffix, plan.suffix)):
             carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.suffix[j])
+            carry = flush_bank(carry)
             new_suffix.append(c)
         with jax.named_scope("attn_res"):
             h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry

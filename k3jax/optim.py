@@ -72,6 +72,7 @@ from optax.contrib import MuonDimensionNumbers
 from k3jax import newton_schulz
 from k3jax.config import OptimConfig
 from k3jax.layer_plan import LayerPlan
+from k3jax.layers.latent_moe import FLOAT32_WEIGHTS
 
 MDN = MuonDimensionNumbers
 CONSISTENT_RMS = 0.2
@@ -407,6 +408,16 @@ def _path_lookup(table: dict[Path, Any], what: str) -> Callable[[Any, Any], Any]
             raise KeyError(f"k3jax.optim: parameter {'/'.join(map(str, key))} is not in the model the "
                            f"optimizer was built for ({what})") from None
     return look
+
+
+def cast_muon_group(params, dtype) -> Any:
+    """``params`` (an ``nnx.State`` of Params) with the Muon group's leaves (the matrices) cast to
+    ``dtype``, except the float32 ones (``LatentMoE.FLOAT32_WEIGHTS``): differentiated there, their
+    gradients come out in ``dtype``. The layers read the others in the compute dtype anyway, so with
+    ``dtype`` the compute dtype the forward is unchanged."""
+    table = {p: g == MUON and p[-1] not in FLOAT32_WEIGHTS for p, (g, _, _) in group_table(params).items()}
+    look = _path_lookup(table, "gradient dtype")
+    return jax.tree_util.tree_map_with_path(lambda path, x: x.astype(dtype) if look(path, x) else x, params)
 
 
 def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientTransformation:

@@ -16,7 +16,7 @@ from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
 from k3jax.model import ForwardStats, K3Model, abstract_model, create_model
-from k3jax.optim import make_optimizer, qk_clip
+from k3jax.optim import cast_muon_group, make_optimizer, qk_clip
 from k3jax.sharding import state_shardings
 
 
@@ -134,7 +134,7 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     update was skipped), ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the
     order of :func:`expert_imbalance_layers`, measured with the bias this step routed with).
     """
-    accum, z_loss = cfg.train.grad_accum, cfg.train.z_loss
+    accum, z_loss, grad_dtype = cfg.train.grad_accum, cfg.train.z_loss, jnp.dtype(cfg.train.grad_dtype)
     top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
     tau = cfg.train.optim.qk_clip_tau  # > 0: QK-clip of the MLA heads after every update
 
@@ -155,15 +155,18 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
         ts = nnx.merge(graphdef, state)
         model_def, params, rest = nnx.split(ts.model, nnx.Param, ...)
 
+        # train.grad_dtype: the matrices differentiated (and their gradients accumulated) in that dtype
+        wrt = params if grad_dtype == jnp.float32 else cast_muon_group(params, grad_dtype)
+
         def body(carry, mb):
             g_acc, count_acc, nll_acc = carry
-            g, (count, nll, stats) = grad_fn(params, rest, model_def, mb)
+            g, (count, nll, stats) = grad_fn(wrt, rest, model_def, mb)
             return (jax.tree.map(jnp.add, g_acc, g), count_acc + count, nll_acc + nll), stats
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, wrt)
         (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0), _micro_batches(batch, accum))
         stats = _pool_micro_batches(stats)
-        grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1.0), grads)
+        grads = jax.tree.map(lambda g: (g / jnp.maximum(count, 1.0)).astype(g.dtype), grads)
         loss = nll / jnp.maximum(count, 1.0)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

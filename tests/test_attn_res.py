@@ -49,16 +49,20 @@ def _state_sources(state):
     return [np.asarray(values[j]) for j in range(values.shape[0]) if bool(valid[j])]
 
 
-def test_bank_bookkeeping_matches_a_python_list():
-    """init_state / close_block / add against a list of sources, under jit with traced predicates."""
+@pytest.mark.parametrize("flush_every", [1, 2, 3])
+def test_bank_bookkeeping_matches_a_python_list(flush_every):
+    """init_state / close_block / add / flush against a list of sources, under jit with traced
+    predicates; the bank written every ``flush_every`` layers, as a scanned group of that many layers
+    does (a closed block waits as the pending source until then)."""
     rng = np.random.default_rng(1)
     emb = rng.standard_normal((2, 3, 4)).astype(np.float32)
     close = jax.jit(attn_res.close_block)
     add = jax.jit(attn_res.add)
+    flush = jax.jit(attn_res.flush)
     num_layers, bs = 7, 3
     slots = -(-num_layers // bs)  # embedding + blocks closed at 3, 6
     state = attn_res.init_state(jnp.asarray(emb), slots)
-    bank, partial = [], emb.astype(np.float64)
+    bank, partial, written = [], emb.astype(np.float64), 0
     assert len(_state_sources(state)) == 1
     np.testing.assert_array_equal(_state_sources(state)[0], emb)
     for layer in range(num_layers):
@@ -76,7 +80,12 @@ def test_bank_bookkeeping_matches_a_python_list():
             y = rng.standard_normal(emb.shape).astype(np.float32)
             state = add(state, jnp.asarray(y))
             partial = partial + y
-    assert int(state.num_blocks) == len(bank) == slots
+        if layer % flush_every == flush_every - 1:
+            state, written = flush(state), len(bank)
+        # a block closed since the last flush is pending: a source, not yet in the bank
+        assert int(state.stored) == written and int(state.num_blocks) == len(bank)
+    state = flush(state)
+    assert int(state.num_blocks) == int(state.stored) == len(bank) == slots
     np.testing.assert_allclose(np.asarray(state.bank), np.stack(bank), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(state.partial), partial, rtol=1e-6, atol=1e-6)
 
@@ -91,7 +100,7 @@ def test_zero_query_gives_uniform_weights():
     blocks = [emb]
     for _ in range(2):
         y = (rng.standard_normal(emb.shape) * 10).astype(np.float32)
-        state = attn_res.close_block(attn_res.add(state, jnp.asarray(y)), True)
+        state = attn_res.close_block(attn_res.flush(attn_res.add(state, jnp.asarray(y))), True)
         blocks.append(y)
     last = rng.standard_normal(emb.shape).astype(np.float32)
     state = attn_res.add(state, jnp.asarray(last))

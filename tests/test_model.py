@@ -240,6 +240,26 @@ def test_remat_gives_identical_grads(tiny6, tiny6_grads, remat):
     assert max(errs.values()) < 1e-5, errs
 
 
+@pytest.mark.parametrize("block_size", [4, 2])
+def test_scan_saves_one_attn_res_bank_per_group(block_size):
+    """With per-layer remat, the backward pass keeps what each layer's checkpoint reads. A group's
+    layers read one bank (a closed block waits as the pending source; attn_res.flush writes it at the
+    group's end), so the scan saves one ``[G, S, B, T, d]`` bank, not one per layer. Blocks shorter
+    than a group (2 < 4 layers) are written after every layer: one bank per layer, as before."""
+    cfg = dataclasses.replace(load_config("tiny", [f"model.attn_res.block_size={block_size}"]).model, remat="full")
+    model = create_model(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    tok = TOK[:, :32]
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state)(tok)[0])
+
+    residuals = jax.tree.leaves(jax.eval_shape(lambda s: jax.vjp(loss, s)[1], state))  # vjp_fn's leaves
+    bank = (model.plan.num_groups, cfg.attn_res.num_slots(cfg.num_layers), *tok.shape, cfg.hidden_size)
+    saved = sum(r.shape == bank for r in residuals)
+    assert saved == (1 if block_size >= model.plan.period else model.plan.period), saved
+
+
 def test_bf16_compute_close_to_fp32(tiny6):
     """bf16 has an 8-bit mantissa (unit roundoff 2^-9 ~ 2e-3); with ~30 matmul/norm stages the logits
     drift by a few percent of their scale at most. 5% (norm-wise) bounds that while still catching a

@@ -596,6 +596,54 @@ def test_qk_clip_off_or_never_reached_changes_nothing():
         np.testing.assert_array_equal(a, b)
 
 
+def test_bf16_gradients_of_the_matrices():
+    """train.grad_dtype=bfloat16: the Muon group's matrices are differentiated in bf16, so their
+    gradients come out in bf16 (within bf16 rounding of the float32 ones); the router and the AdamW
+    leaves stay float32; the forward and the train step's loss are unchanged (the layers compute in
+    bf16 either way) and its gradient norm agrees to bf16 rounding."""
+    from k3jax.training import TrainState, make_train_step
+
+    overrides = QK_CLIP[:-1] + ["model.dtype=bfloat16"]
+    with pytest.raises(ValueError, match="grad_dtype"):
+        load_config("tiny", QK_CLIP + ["train.grad_dtype=bfloat16"])  # float32 compute
+    cfg = load_config("tiny", overrides)
+    model = create_model(cfg.model, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = _qk_clip_batch(cfg)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p, rest)(batch["tokens"], segment_ids=batch["segment_ids"])[0]
+        return jnp.mean(jnp.square(logits))
+
+    grad = jax.jit(jax.grad(loss))
+    table = optim.group_table(params)
+    g32 = dict(nnx.to_flat_state(grad(params)))
+    g16 = dict(nnx.to_flat_state(grad(optim.cast_muon_group(params, jnp.bfloat16))))
+    bf16 = 0
+    for path, g in g16.items():
+        name = optim.normalize_path(path)
+        a, b = g.get_raw_value(), g32[path].get_raw_value()
+        is_bf16 = table[name][0] == optim.MUON and name[-1] != "router"
+        assert a.dtype == (jnp.bfloat16 if is_bf16 else jnp.float32), name
+        bf16 += is_bf16
+        if np.any(b):
+            err = np.linalg.norm(np.asarray(a, np.float32) - b) / np.linalg.norm(b)
+            assert err < (1e-2 if is_bf16 else 1e-5), (name, err)
+    assert bf16 > 20
+
+    metrics = {}
+    for grad_dtype in ("float32", "bfloat16"):
+        cfg = load_config("tiny", overrides + [f"train.grad_dtype={grad_dtype}"])
+        model = create_model(cfg.model, seed=0)
+        with nnx.use_eager_sharding(False):
+            ts = TrainState(model, optim.make_optimizer(cfg.train.optim, model, cfg.train.steps))
+        graphdef, state = nnx.split(ts)
+        metrics[grad_dtype] = make_train_step(graphdef, cfg)(state, batch)[1]
+    assert bool(metrics["bfloat16"]["finite"])
+    assert float(metrics["bfloat16"]["loss"]) == float(metrics["float32"]["loss"])
+    assert float(metrics["bfloat16"]["grad_norm"]) == pytest.approx(float(metrics["float32"]["grad_norm"]), rel=1e-2)
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end
 

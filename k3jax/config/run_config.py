@@ -67,6 +67,10 @@ class TrainConfig:
     steps: int = runtime(200)
     batch_size: int = 8  # global rows per optimizer step
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    # Gradients of the matrix weights (the Muon group: projections and experts, nearly all the bytes) and
+    # their micro-batch accumulator: float32, or bfloat16 (with model.dtype=bfloat16), which halves the
+    # largest temporaries of a large step at bf16's 8-bit mantissa; the master weights stay in param_dtype.
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
     seq_len: int = 128
     seed: int = 0
     log_every: int = runtime(20)
@@ -120,6 +124,10 @@ class Config:
         self.mesh.validate("mesh")
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        # the weights are differentiated in the gradient dtype: the forward is unchanged only when the layers
+        # compute in it too
+        check(self.train.grad_dtype == "float32" or self.train.grad_dtype == self.model.dtype, "train.grad_dtype",
+              f"{self.train.grad_dtype} gradients need model.dtype={self.train.grad_dtype} (is {self.model.dtype})")
 
 
 

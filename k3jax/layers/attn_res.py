@@ -8,6 +8,11 @@ sums (the *bank*) and the running partial sum of the current block.
 The bank is a fixed-size buffer with a count of valid rows (``AttnResConfig.num_slots``), so a
 scanned group of layers can close a block under a traced predicate (``AttnResConfig.closes_block``)
 and the compiled graph does not depend on where blocks close.
+
+A closing layer does not write the bank: it sets the block sum aside as ``pending`` (a source in its
+bank row all the same), and :func:`flush` writes it between layers, once per scanned group. The bank
+a group's layers read is then one value, which the layers' checkpoints save once per group instead
+of once per layer (full K3 on v5p-1024: 3 of 4 saved banks, 15.5 GB per device, go; docs/scale.md).
 Nothing here depends on other positions, so decoding needs no AttnRes cache: every token carries its
 own bank through the layers.
 """
@@ -22,31 +27,46 @@ from k3jax.layers.initializers import constant
 
 
 class AttnResState(NamedTuple):
-    bank: jax.Array  # [S, B, T, d] completed block sums; row 0 is the embedding
-    num_blocks: jax.Array  # int32 scalar: how many bank rows are valid
+    bank: jax.Array  # [S, B, T, d] completed block sums in rows [0, stored); row 0 is the embedding
+    num_blocks: jax.Array  # int32 scalar: completed blocks (the stored rows, plus the pending one)
     partial: jax.Array  # [B, T, d] running sum of the current block
+    pending: jax.Array  # [B, T, d] the block completed since the last flush (when num_blocks > stored)
+    stored: jax.Array  # int32 scalar: bank rows written
 
 
 def init_state(embedding: jax.Array, num_slots: int) -> AttnResState:
     """The state before layer 0: an empty bank and the embedding as the partial sum."""
     bank = jnp.zeros((num_slots,) + embedding.shape, embedding.dtype)
-    return AttnResState(bank, jnp.zeros((), jnp.int32), embedding)
+    zero = jnp.zeros((), jnp.int32)
+    return AttnResState(bank, zero, embedding, jnp.zeros_like(embedding), zero)
+
+
+def completed_blocks(state: AttnResState) -> jax.Array:
+    """The bank with the pending block in its row: ``[S, B, T, d]``, rows ``[0, num_blocks)`` valid."""
+    n = jnp.minimum(state.stored, state.bank.shape[0] - 1)
+    row = jnp.where(state.num_blocks > state.stored, state.pending, state.bank[n])
+    return jax.lax.dynamic_update_index_in_dim(state.bank, row, n, axis=0)
 
 
 def sources(state: AttnResState) -> tuple[jax.Array, jax.Array]:
-    """``bank + [partial]`` as ``[S+1, B, T, d]`` and its validity mask ``[S+1]``."""
-    values = jnp.concatenate([state.bank, state.partial[None]], axis=0)
+    """``completed blocks + [partial]`` as ``[S+1, B, T, d]`` and its validity mask ``[S+1]``."""
+    values = jnp.concatenate([completed_blocks(state), state.partial[None]], axis=0)
     valid = jnp.append(jnp.arange(state.bank.shape[0]) < state.num_blocks, True)
     return values, valid
 
 
 def close_block(state: AttnResState, close) -> AttnResState:
-    """If ``close``: push the partial sum into the bank and start an empty partial."""
-    n = jnp.minimum(state.num_blocks, state.bank.shape[0] - 1)
-    row = jnp.where(close, state.partial, state.bank[n])
-    bank = jax.lax.dynamic_update_index_in_dim(state.bank, row, n, axis=0)
+    """If ``close``: the partial sum becomes the pending block and an empty partial starts. The bank is
+    left as it is; the state must have no pending block (:func:`flush` first)."""
+    pending = jnp.where(close, state.partial, state.pending)
     partial = jnp.where(close, jnp.zeros_like(state.partial), state.partial)
-    return AttnResState(bank, state.num_blocks + jnp.asarray(close, jnp.int32), partial)
+    return state._replace(num_blocks=state.num_blocks + jnp.asarray(close, jnp.int32), partial=partial,
+                          pending=pending)
+
+
+def flush(state: AttnResState) -> AttnResState:
+    """Write the pending block, if any, into its bank row."""
+    return state._replace(bank=completed_blocks(state), stored=state.num_blocks)
 
 
 def add(state: AttnResState, y: jax.Array) -> AttnResState:

@@ -21,6 +21,10 @@ from k3jax.layers.quantized_experts import activation_quantizer, expert_param, e
 from pallas_kernels.platform import target_platform
 
 
+# Weights stored and read in float32 whatever param_dtype / dtype: the router decides the routing.
+FLOAT32_WEIGHTS = frozenset({"router"})
+
+
 class LatentMoE(nnx.Module):
     """Parameters: ``router (d, E)``, ``router_bias (E)`` (RouterBias state), ``down (d, L)``,
     ``up (L, d)``, ``latent_norm (L)``, experts ``w_gate / w_up (E, L, F)``, ``w_down (E, F, L)``,
@@ -34,7 +38,7 @@ class LatentMoE(nnx.Module):
         self.quant = cfg.quant  # routed experts: dense, MXFP4 QAT or packed MXFP4 (k3jax/quant)
         # ``auto`` is resolved when traced, for the platform compiled for (k3jax/kernels.py)
         self.impl = cfg.moe_impl
-        self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)
+        self.router = normal(rngs, (d, m.num_experts), ("embed", "expert"), std, jnp.float32)  # FLOAT32_WEIGHTS
         self.router_bias = constant(0.0, (m.num_experts,), ("expert",), jnp.float32, RouterBias) \
             if m.router_bias else None
         width = m.latent_dim or d
