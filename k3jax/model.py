@@ -74,7 +74,6 @@ class DecoderLayer(nnx.Module):
         mixer, ffn = kind
         pd = jnp.dtype(cfg.param_dtype)
         self.kind, self.attn_res = kind, cfg.attn_res
-        self.cast_weights = cfg.dtype != cfg.param_dtype  # the layer computes in another dtype than it stores
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
         self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
@@ -159,12 +158,12 @@ def flush_bank(carry):
 def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache):
     """``layer(carry, layer_idx, ctx, cache)``, rematerialised per layer when ``remat`` is on.
 
-    With ``full`` the scan saves every layer's input (the residual stream with its AttnRes bank) and
-    the backward pass runs each layer's forward once more: 8N FLOPs per token instead of 6N. With
-    ``nested`` (and ``dots``) this nests in a checkpoint of the whole scanned group: the scan saves one
-    input per group, and the group's backward pass recomputes its layers' inputs first (one more
-    forward, 10N, for a group's worth of saved inputs less: K3 at 1024 tokens per device saves
-    ~9 GiB less). The unrolled prefix / suffix layers are checkpointed per layer in every mode.
+    With ``full`` the scan saves every layer's input (the residual stream; the AttnRes bank, which the
+    layers of a group share, once per group) and the backward pass runs each layer's forward once
+    more: 8N FLOPs per token instead of 6N. With ``nested`` (and ``dots``) this nests in a checkpoint
+    of the whole scanned group: the scan saves one input per group, and the group's backward pass
+    recomputes its layers' inputs first (one more forward, 10N, for a group's worth of saved inputs
+    less). The unrolled prefix / suffix layers are checkpointed per layer in every mode.
     """
     if remat == "none":
         return layer(carry, layer_idx, ctx, cache)
@@ -174,11 +173,6 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
     bank = carry.bank if isinstance(carry, attn_res.AttnResState) else None
 
     def run(state, carry, layer_idx, ctx, cache):
-        if layer.cast_weights:
-            # Cast this layer's weights here, in the rematerialised code: XLA would otherwise hoist the casts
-            # of whole stacked weights out of the layer scan and keep a compute-dtype copy of each alive
-            # through the forward and backward passes (full K3 on v5p-1024: 10 GB of bf16 experts per device).
-            state = jax.lax.optimization_barrier(state)
         out, stats, cache = nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
         if bank is not None:
             assert out.bank is carry.bank, "a decoder layer wrote the AttnRes bank (attn_res.flush does that)"
