@@ -157,6 +157,11 @@ PLAN: tuple[Job, ...] = (
     Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
         overrides=("train.batch_size=256", *_K3_TRAIN, "model.vision.enabled=true", "model.vision.max_patches=4096"),
         note="+ MoonViT, 1024 image tokens per row"),
+    # 16M tokens per step: 16 micro-batches of the row above; bf16 gradients keep the micro-batch
+    # accumulator at the size of one copy of the gradients in bf16 (float32: 109 GiB, does not fit)
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=4096, seq_len=4096,
+        overrides=("train.batch_size=4096", "train.grad_accum=16", "train.grad_dtype=bfloat16", *_K3_TRAIN),
+        note="16 micro-batches, bf16 gradients"),
     Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
         overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
     Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
