@@ -355,7 +355,8 @@ class K3Model(nnx.Module):
             carry = x
         for j, (layer, i) in enumerate(zip(self.prefix, plan.prefix)):
             carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.prefix[j])
-            carry = flush_bank(carry)
+            if cfg.attn_res.closes_block(i):  # an unrolled layer knows whether it closed one: write it now
+                carry = flush_bank(carry)
             new_prefix.append(c)
         new_groups = None
         if self.groups is not None:
@@ -365,7 +366,8 @@ class K3Model(nnx.Module):
                     stats[i] = jax.tree.map(lambda x, g=g: x[g], st)
         for j, (layer, i) in enumerate(zip(self.suffix, plan.suffix)):
             carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.suffix[j])
-            carry = flush_bank(carry)
+            if cfg.attn_res.closes_block(i):  # an unrolled layer knows whether it closed one: write it now
+                carry = flush_bank(carry)
             new_suffix.append(c)
         with jax.named_scope("attn_res"):
             h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry

@@ -10,7 +10,8 @@ scanned group of layers can close a block under a traced predicate (``AttnResCon
 and the compiled graph does not depend on where blocks close.
 
 A closing layer does not write the bank: it sets the block sum aside as ``pending`` (a source in its
-bank row all the same), and :func:`flush` writes it between layers, once per scanned group. The bank
+bank row all the same), and :func:`flush` writes it between layers: once per scanned group, and
+after an unrolled layer that closed a block. The bank
 a group's layers read is then one value, which the layers' checkpoints save once per group instead
 of once per layer (full K3 on v5p-1024: 3 of 4 saved banks, 15.5 GB per device, go; docs/scale.md).
 Nothing here depends on other positions, so decoding needs no AttnRes cache: every token carries its
