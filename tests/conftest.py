@@ -2,6 +2,7 @@
 cache (k3jax/compile_cache.py: a second test run loads its executables; xdist workers and subprocesses
 share it safely); XLA settings for tests that compile whole models."""
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -49,6 +50,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+@contextlib.contextmanager
+def _fast_xla_settings():
+    import jax
+
+    saved = {"jax_disable_most_optimizations": jax.config.values.get("jax_disable_most_optimizations", False),
+             "jax_default_matmul_precision": jax.config.jax_default_matmul_precision}
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+
+
 @pytest.fixture(scope="module")
 def fast_xla():
     """Opt in with ``pytestmark = pytest.mark.usefixtures("fast_xla")``.
@@ -60,12 +76,13 @@ def fast_xla():
 
     Both are restored after the module.
     """
-    import jax
+    with _fast_xla_settings():
+        yield
 
-    saved = {"jax_disable_most_optimizations": jax.config.values.get("jax_disable_most_optimizations", False),
-             "jax_default_matmul_precision": jax.config.jax_default_matmul_precision}
-    jax.config.update("jax_disable_most_optimizations", True)
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
+
+@pytest.fixture
+def fast_xla_test():
+    """``fast_xla`` for one test (``@pytest.mark.usefixtures("fast_xla_test")``) in a module whose other
+    tests keep XLA's optimisations (e.g. tests that inspect compiled TPU programs)."""
+    with _fast_xla_settings():
+        yield
