@@ -745,6 +745,19 @@ def test_layer_by_layer_muon_equals_the_batched_update():
     assert loops(stacked=stacked) == loops() + 1
 
 
+def test_layer_by_layer_muon_writes_the_stacks_in_place():
+    """Compiled on XLA:CPU with the gradient and momentum donated, an 8-layer stacked update needs less
+    than one stack of temporaries (measured 0.63: a few layers' slices and Newton-Schulz work): the loop
+    writes each layer back in place. ``lax.map`` needed 2.34 stacks; reading the slices at the top of
+    each step made XLA:CPU copy both stacks every step (2.25)."""
+    x = jax.ShapeDtypeStruct((8, 4, 64, 128), jnp.float32)  # [layers, E, in, out]
+    dn = optim.MDN(reduction_axis=(-2,), output_axis=(-1,))
+    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+                                     expert_stacks=lambda u: {"w": True}, group_max_size=1 << 10)
+    compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower({"w": x}, jax.eval_shape(tx.init, {"w": x})).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < x.size * 4
+
+
 @pytest.mark.tpu_aot
 def test_layer_by_layer_muon_writes_the_stacks_in_place_on_tpu():
     """The per-layer loop carries the gradient and momentum stacks and writes each layer's update and
