@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.ops.weight_cast import weight_cast
 from k3jax.sharding import gather_weight
 
 
@@ -85,6 +86,7 @@ def constant(value: float, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 
 def cast(p: nnx.Variable, dtype) -> jax.Array:
-    """A parameter's value in the compute dtype (params are stored in ``param_dtype``), gathered over
-    the FSDP mesh axes when running under a mesh (``k3jax.sharding.gather_weight``)."""
-    return gather_weight(p[...].astype(dtype), p.get_metadata().get("out_sharding"))
+    """A parameter's value in the compute dtype (params are stored in ``param_dtype``; the cast is
+    ``k3jax.ops.weight_cast``, which XLA keeps inside the layer loop), gathered over the FSDP mesh axes
+    when running under a mesh (``k3jax.sharding.gather_weight``)."""
+    return gather_weight(weight_cast(p[...], dtype), p.get_metadata().get("out_sharding"))

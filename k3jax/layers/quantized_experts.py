@@ -19,6 +19,7 @@ from flax import nnx
 
 from k3jax.config import QuantConfig
 from k3jax.layers.initializers import normal
+from k3jax.ops.weight_cast import weight_cast
 from k3jax.quant.mxfp4 import fake_quantize_mxfp4
 from k3jax.quant.mxfp8 import fake_quantize_mxfp8
 from k3jax.quant.packed import MXFP4Weight
@@ -59,7 +60,7 @@ def expert_weight(w: nnx.Variable | MXFP4Weight, dtype, quant: QuantConfig) -> j
     if quant.experts == "mxfp4_qat":
         # quantized from the master weight's own precision; MXFP4 values are exact in bfloat16
         x = _qat_weight(quant.scale_rule)(x)
-    return x.astype(dtype)
+    return weight_cast(x, dtype)
 
 
 def activation_quantizer(quant: QuantConfig) -> Callable[[jax.Array], jax.Array] | None:
