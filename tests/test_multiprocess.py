@@ -14,7 +14,7 @@ import pytest
 from cpu_devices import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ARGS = ["model.num_layers=3", "model.attn_res.block_size=2", "train.seq_len=32",
+ARGS = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32",
         "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2", "mesh.data=2", "mesh.fsdp=2"]
 
 

@@ -20,9 +20,9 @@ from k3jax.config import load_config
 from k3jax.run_log import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# A three-layer tiny K3 on short rows: KDA with the dense FFN, KDA and MLA with latent MoEs (QB on), Block
-# AttnRes closing a block after layer 1, per-head Muon. Compile time grows with the (unrolled) layers.
-SMALL = ["model.num_layers=3", "model.attn_res.block_size=2", "train.seq_len=32", "train.batch_size=4",
+# A two-layer tiny K3 on short rows: KDA with the dense FFN, MLA with a latent MoE (QB on), Block AttnRes
+# closing a block after each layer, per-head Muon. Compile time grows with the (unrolled) layers.
+SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32", "train.batch_size=4",
          "train.grad_accum=2", "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
 STEPS = 12
 
