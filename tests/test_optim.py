@@ -2,6 +2,7 @@
 QK-clip, and a short training run that lowers the loss."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -550,11 +551,17 @@ def _qk_clip_batch(cfg):
             "loss_mask": seg > 0}
 
 
+@functools.cache
+def _max_logits_fn(graphdef):
+    """One compile for the models before and after the step (same graph, same shapes)."""
+    return jax.jit(lambda s, tokens, seg: nnx.merge(graphdef, s).forward(tokens, segment_ids=seg,
+                                                                         max_logits=True)[2].max_logits)
+
+
 def _max_logits(model, batch):
     graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda s: nnx.merge(graphdef, s).forward(batch["tokens"], segment_ids=batch["segment_ids"],
-                                                            max_logits=True)[2].max_logits)
-    return {i: np.asarray(v) for i, v in fwd(state).items()}
+    fwd = _max_logits_fn(graphdef)
+    return {i: np.asarray(v) for i, v in fwd(state, batch["tokens"], batch["segment_ids"]).items()}
 
 
 def _one_step(tau):
@@ -606,7 +613,8 @@ def test_bf16_gradients_of_the_matrices():
     bf16 either way) and its gradient norm agrees to bf16 rounding."""
     from k3jax.training import TrainState, make_train_step
 
-    overrides = QK_CLIP[:-1] + ["model.dtype=bfloat16"]
+    # Two layers: KDA with the dense FFN, MLA with the latent MoE (every kind of matrix, router included).
+    overrides = QK_CLIP[:-1] + ["model.dtype=bfloat16", "model.num_layers=2"]
     with pytest.raises(ValueError, match="grad_dtype"):
         load_config("tiny", QK_CLIP + ["train.grad_dtype=bfloat16"])  # float32 compute
     cfg = load_config("tiny", overrides)
