@@ -16,7 +16,8 @@ from k3jax.training import TrainState, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
 
-SMALL = ["model.num_layers=5", "train.seq_len=32", "train.batch_size=2", "train.optim.warmup_steps=1"]
+# Two layers: KDA (+ dense FFN) and MLA + latent MoE, so each kernel runs in the model, forward and backward.
+SMALL = ["model.num_layers=2", "train.seq_len=32", "train.batch_size=2", "train.optim.warmup_steps=1"]
 
 
 def test_selection():
