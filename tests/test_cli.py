@@ -130,3 +130,11 @@ def test_truncated_safetensors_header_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=rf"{garbage}: the safetensors header is not valid JSON"):
         SafetensorsFile(garbage)
     np.testing.assert_array_equal(SafetensorsFile(whole).get("w"), np.ones((2, 3), np.float32))
+
+
+def test_importing_the_entry_points_starts_no_jax_backend():
+    """``jax.distributed.initialize`` (multi-host ``train.py``) must run before any JAX computation: a JAX
+    value made at import time anywhere in k3jax would start the backend first and break it."""
+    script = ("import infer, train, k3jax.aot, k3jax.serving\nfrom jax._src import xla_bridge\n"
+              "assert not xla_bridge.backends_are_initialized()")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_BF16_NAN = jnp.bfloat16(jnp.nan)
+# a NumPy scalar: a JAX value made at import would start the backend before jax.distributed.initialize
+_BF16_NAN = np.array(np.nan, jnp.bfloat16)
 
 
 @jax.custom_vjp
