@@ -40,6 +40,14 @@ def with_state(cfg, state):
     return nnx.merge(nnx.graphdef(abstract_model(cfg.model)), state)
 
 
+def logits_of(tokens, *models):
+    """Each model's logits on ``tokens``, all in one jitted program (op by op, every forward pass
+    compiles hundreds of small programs)."""
+    graphdefs, states = zip(*(nnx.split(m) for m in models))
+    run = jax.jit(lambda states, tokens: [nnx.merge(d, s)(tokens)[0] for d, s in zip(graphdefs, states)])
+    return [np.asarray(x) for x in run(states, tokens)]
+
+
 def fake_quantized_experts(model, cfg, rule="ceil"):
     """A model of ``cfg`` with ``model``'s weights, every routed-expert weight replaced by its MXFP4
     values (from the NumPy codec)."""
@@ -75,9 +83,8 @@ def test_qat_forward_is_the_forward_of_the_quantized_weights(tokens):
     qat = create_model(config("quant.experts=mxfp4_qat").model, seed=3)
     dense_cfg = config()
     ref = fake_quantized_experts(qat, dense_cfg)
-    got = np.asarray(qat(tokens)[0])
-    np.testing.assert_array_equal(got, np.asarray(ref(tokens)[0]))
-    plain = np.asarray(with_state(dense_cfg, nnx.state(qat))(tokens)[0])
+    got, want, plain = logits_of(tokens, qat, ref, with_state(dense_cfg, nnx.state(qat)))
+    np.testing.assert_array_equal(got, want)
     assert np.abs(got - plain).max() > 1e-4  # the quantization is visible
     # the master weights are untouched (high precision, off the grid)
     w = routed_expert(qat, "w_gate")[1].get_raw_value()
@@ -88,9 +95,7 @@ def test_qat_gradients_are_straight_through(tokens):
     qat = create_model(config("quant.experts=mxfp4_qat").model, seed=4)
     ref = fake_quantized_experts(qat, config())
 
-    def grads(model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
+    def grads(graphdef, params, rest):
         def loss(p):
             logits, _ = nnx.merge(graphdef, p, rest)(tokens)
             return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1].reshape(-1, logits.shape[-1])[
@@ -98,7 +103,11 @@ def test_qat_gradients_are_straight_through(tokens):
 
         return jax.grad(loss)(params)
 
-    g_qat, g_ref = nnx.to_flat_state(grads(qat)), nnx.to_flat_state(grads(ref))
+    # both gradients in one jitted program (op by op, the two backward passes compiled hundreds of
+    # small programs)
+    (qat_def, *qat_state), (ref_def, *ref_state) = (nnx.split(m, nnx.Param, ...) for m in (qat, ref))
+    both = jax.jit(lambda a, b: (grads(qat_def, *a), grads(ref_def, *b)))
+    g_qat, g_ref = map(nnx.to_flat_state, both(qat_state, ref_state))
     experts = 0
     for (path, a), (path_b, b) in zip(g_qat, g_ref):
         assert path == path_b
@@ -119,26 +128,37 @@ def test_mxfp8_inputs_of_both_expert_matmuls():
     w_gate, w_up = (jnp.asarray(rng.standard_normal((e, d, f)) * 0.2, jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.standard_normal((e, f, d)) * 0.2, jnp.float32)
     glu = dict(activation="situ_glu", beta=4.0, linear_beta=25.0)
-    got = ragged_glu(xs, sizes, w_gate, w_up, w_down, act_quant=fake_quantize_mxfp8, **glu)
-    # by hand: quantized xs through w_gate / w_up, quantized GLU output through w_down
     from k3jax.ops.activations import glu as glu_fn
 
-    xq = fake_quantize_mxfp8(xs)
-    h = glu_fn(jax.lax.ragged_dot(xq, w_gate, sizes), jax.lax.ragged_dot(xq, w_up, sizes), "situ_glu", 4.0, 25.0)
-    want = jax.lax.ragged_dot(fake_quantize_mxfp8(h), w_down, sizes)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    plain = ragged_glu(xs, sizes, w_gate, w_up, w_down, **glu)
-    assert 0 < float(jnp.abs(got - plain).max()) < 0.1 * float(jnp.abs(plain).max())
+    @jax.jit  # one program (op by op, the quantizers compiled dozens of small programs)
+    def run(xs, sizes, w_gate, w_up, w_down):
+        got = ragged_glu(xs, sizes, w_gate, w_up, w_down, act_quant=fake_quantize_mxfp8, **glu)
+        # by hand: quantized xs through w_gate / w_up, quantized GLU output through w_down
+        xq = fake_quantize_mxfp8(xs)
+        h = glu_fn(jax.lax.ragged_dot(xq, w_gate, sizes), jax.lax.ragged_dot(xq, w_up, sizes), "situ_glu", 4.0, 25.0)
+        want = jax.lax.ragged_dot(fake_quantize_mxfp8(h), w_down, sizes)
+        return got, want, ragged_glu(xs, sizes, w_gate, w_up, w_down, **glu)
+
+    got, want, plain = map(np.asarray, run(xs, sizes, w_gate, w_up, w_down))
+    np.testing.assert_array_equal(got, want)
+    assert 0 < float(np.abs(got - plain).max()) < 0.1 * float(np.abs(plain).max())
 
 
 def test_mxfp8_model_forward_and_gradient(tokens):
     cfg = config("quant.experts=mxfp4_qat", "quant.activations=mxfp8")
     model = create_model(cfg.model, seed=6)
-    weights_only = np.asarray(with_state(config("quant.experts=mxfp4_qat"), nnx.state(model))(tokens)[0])
-    got = np.asarray(model(tokens)[0])
-    assert 0 < np.abs(got - weights_only).max() < 0.05 * np.abs(weights_only).max()
+    weights_only_def = nnx.graphdef(abstract_model(config("quant.experts=mxfp4_qat").model))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(tokens)[0][:, -1, :4]))(params)
+
+    @jax.jit  # one program (op by op, each pass compiles hundreds of small programs)
+    def run(params, rest):
+        logits = lambda p: nnx.merge(graphdef, p, rest)(tokens)[0]  # noqa: E731
+        weights_only = nnx.merge(weights_only_def, params, rest)(tokens)[0]
+        return weights_only, logits(params), jax.grad(lambda p: jnp.sum(logits(p)[:, -1, :4]))(params)
+
+    weights_only, got, g = run(params, rest)
+    weights_only, got = np.asarray(weights_only), np.asarray(got)
+    assert 0 < np.abs(got - weights_only).max() < 0.05 * np.abs(weights_only).max()
     # activation STE: the layers below the experts (the latent down-projection) still get gradients
     downs = [np.asarray(v.get_raw_value()) for p, v in nnx.to_flat_state(g) if p[-1] == "down"]
     assert downs and all(np.abs(d).max() > 0 for d in downs)
