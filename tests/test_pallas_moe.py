@@ -131,12 +131,18 @@ def test_grouped_glu_experts_matches_reference(dtype, activation):
         return lambda *a: jnp.sum(f(a[0], experts, *a[1:], activation=activation).astype(jnp.float32) * c)
 
     args = (x, wg, wu, wd)
-    with jax.default_matmul_precision("highest"):
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+
+    @jax.jit  # one program (op by op, the kernel's glue and the reference compiled dozens of small ones)
+    def run(x, wg, wu, wd):
         out = grouped_glu_experts(x, experts, wg, wu, wd, activation=activation)
-        g = jax.grad(loss(grouped_glu_experts), argnums=(0, 1, 2, 3))(*args)
-        up = lambda a: a.astype(jnp.float32)
+        g = jax.grad(loss(grouped_glu_experts), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
         ref_out = ref_grouped_glu_experts(up(x), experts, up(wg), up(wu), up(wd), activation=activation)
-        g_ref = jax.grad(loss(ref_grouped_glu_experts), argnums=(0, 1, 2, 3))(*map(up, args))
+        g_ref = jax.grad(loss(ref_grouped_glu_experts), argnums=(0, 1, 2, 3))(*map(up, (x, wg, wu, wd)))
+        return out, g, ref_out, g_ref
+
+    with jax.default_matmul_precision("highest"):
+        out, g, ref_out, g_ref = run(*args)
     tol = 1e-5 if dtype == jnp.float32 else 3 * 2.0**-8
     err = rms_rel if dtype == jnp.bfloat16 else max_rel
     assert out.shape == (N, k, D) and out.dtype == dtype
@@ -163,10 +169,14 @@ def test_mxfp8_inputs_match_the_reference():
     def loss(f, quant):
         return lambda x, *w: jnp.sum(f(x, experts, *w, activation="situ_glu", act_quant=quant) * c)
 
-    with jax.default_matmul_precision("highest"):
+    @jax.jit  # one program (op by op, the quantizers and the kernel's glue compiled dozens of small ones)
+    def run(x, *ws):
         got = jax.value_and_grad(loss(grouped_glu_experts, act_quant), argnums=(0, 1, 2, 3))(x, *ws)
         want = jax.value_and_grad(loss(ref_grouped_glu_experts, act_quant), argnums=(0, 1, 2, 3))(x, *ws)
-        plain = loss(ref_grouped_glu_experts, None)(x, *ws)
+        return got, want, loss(ref_grouped_glu_experts, None)(x, *ws)
+
+    with jax.default_matmul_precision("highest"):
+        got, want, plain = run(x, *ws)
     assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
     assert abs(float(want[0]) - float(plain)) > 1e-3 * abs(float(plain))  # the quantization is on
     for a, b in zip(got[1], want[1]):
