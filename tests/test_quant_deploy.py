@@ -41,6 +41,18 @@ def expert_weights(model) -> dict:
     return {tuple(p): m for p, m in nnx.iter_graph(model) if isinstance(m, MXFP4Weight)}
 
 
+@nnx.jit
+def forward(model, tokens):
+    """The logits, jitted (op by op, a forward pass compiles hundreds of small programs; models of one
+    structure share the compile)."""
+    return model(tokens)[0]
+
+
+@nnx.jit
+def prefill(model, tokens, cache):
+    return model(tokens, cache=cache)
+
+
 @pytest.fixture(scope="module")
 def tokens():
     return jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
@@ -53,7 +65,7 @@ def qat_model():
 
 @pytest.fixture(scope="module")
 def qat_logits(qat_model, tokens):
-    return np.asarray(qat_model(tokens)[0])
+    return np.asarray(forward(qat_model, tokens))
 
 
 def test_packed_model_holds_bytes_not_parameters():
@@ -113,10 +125,10 @@ def test_to_packed_computes_what_qat_computed(qat_model, qat_logits, tokens):
     packed = to_packed(qat_model)
     assert packed.cfg.quant.experts == "mxfp4"
     assert len(expert_weights(packed)) == 3 * (packed.cfg.num_layers - packed.cfg.first_dense_layers)
-    np.testing.assert_array_equal(np.asarray(packed(tokens)[0]), qat_logits)
+    np.testing.assert_array_equal(np.asarray(forward(packed, tokens)), qat_logits)
     # decoding with a cache runs through the same on-the-fly dequantization
     cache = packed.init_cache(batch_size=2, max_len=32)
-    step_logits, cache = packed(tokens[:, :20], cache=cache)
+    step_logits, cache = prefill(packed, tokens[:, :20], cache)
     np.testing.assert_allclose(np.asarray(step_logits), qat_logits[:, :20], rtol=2e-4, atol=2e-4)
 
 
@@ -129,7 +141,7 @@ def test_packed_orbax_checkpoint_round_trip(qat_model, qat_logits, tokens, tmp_p
     for path, m in expert_weights(packed).items():
         a = expert_weights(again)[path]
         np.testing.assert_array_equal(np.asarray(a.packed.get_raw_value()), np.asarray(m.packed.get_raw_value()))
-    np.testing.assert_array_equal(np.asarray(again(tokens)[0]), qat_logits)
+    np.testing.assert_array_equal(np.asarray(forward(again, tokens)), qat_logits)
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +172,14 @@ def test_hf_round_trip_keeps_the_bytes_and_the_outputs(exported, qat_model, qat_
     path, _ = exported
     packed = from_hf(path, keep_mxfp4=True)
     assert packed.cfg.quant.experts == "mxfp4"
-    np.testing.assert_allclose(np.asarray(packed(tokens)[0]), qat_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(packed, tokens)), qat_logits, rtol=1e-5, atol=1e-5)
     mine = to_packed(qat_model)
     for p, m in expert_weights(mine).items():
         np.testing.assert_array_equal(np.asarray(expert_weights(packed)[p].packed.get_raw_value()),
                                       np.asarray(m.packed.get_raw_value()))
     dense = from_hf(path)  # decoded to float32 on load: the same function
     assert dense.cfg.quant.experts == "none"
-    np.testing.assert_allclose(np.asarray(dense(tokens)[0]), qat_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(dense, tokens)), qat_logits, rtol=1e-5, atol=1e-5)
     again = tmp_path / "again"
     to_hf(packed, again, model_type="kimi_k3", max_shard_size="200KB")
     for f in sorted(path.glob("*.safetensors")):
