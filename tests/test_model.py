@@ -32,16 +32,19 @@ def compiled_forward(model):
     return lambda tokens, segment_ids=None, state=state: fwd(state, tokens, segment_ids)
 
 
-def compiled_grad(model):
-    """A jitted gradient of ``sum(logits * cotangent)`` w.r.t. the model's nnx.Params."""
+def compiled_grad(model, with_logits=False):
+    """A jitted gradient of ``sum(logits * cotangent)`` w.r.t. the model's nnx.Params (``with_logits``:
+    (logits, gradient) from the one program)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
     def grad(params, tokens, cot):
         def loss(p):
-            return jnp.sum(nnx.merge(graphdef, p, rest)(tokens)[0] * cot)
+            logits = nnx.merge(graphdef, p, rest)(tokens)[0]
+            return jnp.sum(logits * cot), logits
 
-        return jax.grad(loss)(params)
+        grads, logits = jax.grad(loss, has_aux=True)(params)
+        return (logits, grads) if with_logits else grads
 
     return lambda tokens, cot: grad(params, tokens, cot)
 
@@ -141,10 +144,13 @@ def test_tiny_forward_shape_and_finite(tiny):
     assert float(jnp.std(logits[0, 1:] - logits[0, :-1])) > 0  # depends on the token
 
 
-def model_grads(model, tok, seed=1):
+def model_grads(model, tok, seed=1, with_logits=False):
+    """{parameter path: gradient}; ``with_logits``: (logits, that) from one compiled program."""
     cot = jnp.asarray(np.random.default_rng(seed).standard_normal(tok.shape + (model.cfg.vocab_size,)), jnp.float32)
-    grads = compiled_grad(model)(tok, cot)
-    return {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
+    out = compiled_grad(model, with_logits)(tok, cot)
+    logits, grads = out if with_logits else (None, out)
+    flat = {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
+    return (logits, flat) if with_logits else flat
 
 
 def check_grads_finite_nonzero(model, flat):
@@ -189,19 +195,24 @@ def _flat(tree, prefix=()):
     return out
 
 
-@pytest.mark.slow
-def test_small_grads_finite_and_nonzero():
+@pytest.fixture(scope="module")
+def small():
+    """small on 70 tokens (not a multiple of its KDA chunk, 64): the model, its logits and gradients,
+    from one compiled forward + backward (a separate forward program cost another compile)."""
     model = create_model(load_config("small").model, seed=0)
-    check_grads_finite_nonzero(model, model_grads(model, tokens((1, 70), seed=2)))
+    return (model, *model_grads(model, tokens((1, 70), seed=2), with_logits=True))
 
 
-def test_small_forward_shape_and_finite():
-    cfg = load_config("small").model
-    model = create_model(cfg, seed=0)
+@pytest.mark.slow
+def test_small_grads_finite_and_nonzero(small):
+    model, _, grads = small
+    check_grads_finite_nonzero(model, grads)
+
+
+def test_small_forward_shape_and_finite(small):
+    model, logits, _ = small
     assert model.groups is not None
-    tok = tokens((1, 70), seed=2)  # 70: not a multiple of small's KDA chunk (64)
-    logits = compiled_forward(model)(tok)
-    assert logits.shape == (1, 70, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+    assert logits.shape == (1, 70, model.cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
 
 
 # ----------------------------------------------------------------------------- equivalences
