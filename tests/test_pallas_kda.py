@@ -21,6 +21,10 @@ import pytest
 from k3jax.ops import chunk_kda as ref_chunk_kda
 from pallas_kernels.kda import chunk_kda
 
+# kernel and reference compiled without XLA's optimisation passes (values are compared, not programs);
+# float32 matmuls at full precision on every backend
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
 FP32_TOL = 1e-5
 BF16_TOL = 8e-3
 BF16_GRAD_TOL = 2e-2
