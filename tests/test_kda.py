@@ -15,6 +15,10 @@ from jax.test_util import check_grads
 
 from k3jax.ops import chunk_kda, kda_chunk, kda_gate_lower_bound, kda_gate_softplus, kda_step, recurrent_kda
 
+# compiled without XLA's optimisation passes (values are compared, not programs), float32 matmuls at full
+# precision on every backend
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
 FP32_TOL = 1e-5  # fp32 vs float64: measured ~1e-7, fla's own fp32 naive-chunk test uses 5e-3
 
 _chunk = jax.jit(chunk_kda, static_argnames=("output_final_state", "chunk_size", "scale"))
