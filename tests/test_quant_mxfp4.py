@@ -13,6 +13,9 @@ from k3jax.quant import straight_through
 from k3jax.quant.formats import E2M1, GROUP_SIZE, SCALE_RULES
 from k3jax.quant.mxfp4 import dequantize_mxfp4, fake_quantize_mxfp4, pack_nibbles, quantize_mxfp4, unpack_nibbles
 
+# op-by-op and jitted programs compiled without XLA's optimisation passes (values are compared)
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
 F32 = np.finfo(np.float32)
 
 

@@ -13,6 +13,9 @@ from k3jax.quant.mxfp8 import dequantize_mxfp8, fake_quantize_mxfp8, quantize_mx
 
 from test_quant_mxfp4 import adversarial_blocks, assert_same_floats, random_blocks  # noqa: E402
 
+# op-by-op and jitted programs compiled without XLA's optimisation passes (values are compared)
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
 E4M3_MAX_MANTISSA = E4M3.max_value / 2.0**E4M3.emax  # 448 = 1.75 * 2**8
 
 
