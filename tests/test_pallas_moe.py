@@ -20,6 +20,8 @@ from k3jax.ops.moe import grouped_glu_experts as ref_grouped_glu_experts
 from pallas_kernels.moe import gmm, group_metadata, grouped_glu_experts, grouped_matmul, tgmm
 
 HI = jax.lax.Precision.HIGHEST
+# kernels and references compiled without XLA's optimisation passes (values are compared, not programs)
+pytestmark = pytest.mark.usefixtures("fast_xla")
 TILING = (16, 128, 128)  # small row tiles so groups straddle tiles; 2 k- and n-tiles at D = F = 256
 
 
