@@ -117,25 +117,41 @@ ENTRY %main (x: f32[{B},{T},{D},1], w: bf16[{D},{H},{K},1], dy: bf16[{B},{T},{H}
     assert b.flops[("kda", "backward")] == 2 * B * T * D * H * K
 
 
+# tiny with 6 layers and an MLA every 2nd layer: dense KDA layer 0, two scanned [MLA, KDA] groups and a
+# final MLA (unrolled and scanned layers, both mixers, dense FFN and MoE)
+TRAIN_BATCH, TRAIN_SEQ = 2, 64
+TRAIN_OVERRIDES = ["model.num_layers=6", "model.mla_period=2", f"train.batch_size={TRAIN_BATCH}",
+                   f"train.seq_len={TRAIN_SEQ}"]
+_TRAIN_STEPS = {}
+
+
+def train_step_breakdown(remat: str):
+    """(config, breakdown of the compiled one-device train step) with ``model.remat=remat``; compiled
+    once per mode for the module (the two tests share the ``full`` program)."""
+    if remat not in _TRAIN_STEPS:
+        from k3jax import aot
+        from k3jax.config import MeshConfig, load_config
+        from k3jax.model import abstract_model
+        from k3jax.sharding import DEFAULT_RULES, make_mesh
+
+        cfg = load_config("tiny", TRAIN_OVERRIDES + [f"model.remat={remat}"])
+        model = abstract_model(cfg.model)
+        assert model.plan.num_groups == 2 and model.plan.prefix == (0,) and model.plan.suffix == (5,)
+        mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+        compiled = aot._lower_train(cfg, mesh, model, DEFAULT_RULES, TRAIN_BATCH, TRAIN_SEQ).compile()
+        _TRAIN_STEPS[remat] = cfg, bd.breakdown(compiled.as_text())
+    return _TRAIN_STEPS[remat]
+
+
 @pytest.mark.slow
 def test_tiny_train_step_matches_analytic_count():
     """Every matmul of the tiny model's train step (scanned layer groups, remat) is attributed, and the
     plain-matmul parts equal ``6 N_part tokens`` (plus one forward for the remat); Newton-Schulz equals
     its analytic count."""
     from k3jax import aot
-    from k3jax.config import MeshConfig, load_config
-    from k3jax.model import abstract_model
-    from k3jax.sharding import DEFAULT_RULES, make_mesh
 
-    batch, seq = 2, 64
-    cfg = load_config("tiny", ["model.num_layers=6", "model.mla_period=2", "model.remat=full",
-                               f"train.batch_size={batch}", f"train.seq_len={seq}"])
-    model = abstract_model(cfg.model)
-    assert model.plan.num_groups == 2
-    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-    compiled = aot._lower_train(cfg, mesh, model, DEFAULT_RULES, batch, seq).compile()
-    b = bd.breakdown(compiled.as_text())
-    analytic = bd.analytic_step_flops(cfg, batch * seq, seq)
+    cfg, b = train_step_breakdown("full")
+    analytic = bd.analytic_step_flops(cfg, TRAIN_BATCH * TRAIN_SEQ, TRAIN_SEQ)
     assert b.attributed_share >= 0.95
     for part in ("dense_ffn", "shared_experts", "latent_proj", "lm_head_loss"):
         measured = b.part_flops(part) - b.flops.get((part, "recompute"), 0.0)
@@ -156,21 +172,7 @@ def test_selective_remat_recomputes_no_ffn_matmul_and_no_mixer_core():
     mixers' core outputs (``k3jax.ops.saved_names``): the backward pass recomputes no FFN / expert
     matmul, and of KDA and MLA only their projections (the chunked KDA pass and the attention are not
     run again), while ``full`` recomputes every part's forward."""
-    from k3jax import aot
-    from k3jax.config import MeshConfig, load_config
-    from k3jax.model import abstract_model
-    from k3jax.sharding import DEFAULT_RULES, make_mesh
-
-    batch, seq = 2, 64
-    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-
-    def compiled(remat):
-        cfg = load_config("tiny", ["model.num_layers=4", "model.mla_period=2", f"model.remat={remat}",
-                                   f"train.batch_size={batch}", f"train.seq_len={seq}"])
-        return bd.breakdown(aot._lower_train(cfg, mesh, abstract_model(cfg.model), DEFAULT_RULES, batch, seq)
-                            .compile().as_text())
-
-    full, selective = compiled("full"), compiled("selective")
+    (_, full), (_, selective) = train_step_breakdown("full"), train_step_breakdown("selective")
     for part in ("routed_experts", "shared_experts", "dense_ffn"):
         assert full.flops[(part, "recompute")] > 0, part
         assert selective.flops.get((part, "recompute"), 0.0) == 0, part
