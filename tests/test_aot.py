@@ -152,3 +152,12 @@ def test_plan_jobs_are_consistent():
             data = job.mesh.data * job.mesh.fsdp * job.mesh.expert
             assert cfg.train.batch_size == job.batch and job.batch % (cfg.train.grad_accum * data) == 0, job
             assert job.seq_len % (job.mesh.sequence * cfg.model.kda.chunk_size) == 0, job
+
+
+def test_the_compiler_is_held_to_the_hbm_budget(decode_result):
+    """Every compile is held to the device's HBM (``xla_tpu_max_hbm_size_mib``), and a program that does
+    not fit a smaller budget is refused: reported as not fitting, with the compiler's words."""
+    assert decode_result.hbm_limit_bytes == aot.V5P_HBM_BYTES
+    r = aot.compile_job(DECODE, devices=_devices(), flops=False, hbm_limit_bytes=decode_result.argument_bytes // 2)
+    assert not r.fits and "exceeds available HBM" in r.error, r.error
+    assert "| no |" in aot.table([r])
