@@ -140,6 +140,7 @@ class Job:
     seq_len: int
     overrides: tuple[str, ...] = ()
     note: str = ""
+    hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
 
     def load(self) -> Config:
         return load_config(self.config, list(self.overrides))
@@ -167,6 +168,11 @@ PLAN: tuple[Job, ...] = (
     Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=4096, seq_len=4096,
         overrides=("train.batch_size=4096", "train.grad_accum=16", "train.grad_dtype=bfloat16", *_K3_TRAIN),
         note="16 micro-batches, bf16 gradients"),
+    # the same step on half the chips, under the 90 GiB per device: capacity 1.25, and the in-place
+    # optimizer and unhoisted weight casts (docs/scale.md)
+    Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=2, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", "model.remat=full", "model.moe.ep_capacity_factor=1.25",
+                   "train.optim.muon_dtype=bfloat16"), note="capacity 1.25", hbm_gib=90),
     Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
         overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
     Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
@@ -403,7 +409,9 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     cfg = job.load()
     tpu = TpuSlice.v5p(job.slice)
     mesh = make_mesh(job.mesh, tpu.devices() if devices is None else devices)
-    limit = tpu.hbm_bytes if hbm_limit_bytes is None else hbm_limit_bytes
+    if hbm_limit_bytes is None:
+        hbm_limit_bytes = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
+    limit = hbm_limit_bytes
     if mesh.devices.flat[0].platform != "tpu":
         limit = 0  # the budget is a libtpu option
     base = dict(job=job, mesh_shape={a: mesh.shape[a] for a in MESH_AXES if mesh.shape[a] > 1},
@@ -558,14 +566,13 @@ def main(argv: list[str] | None = None) -> None:
         devices = TpuSlice.v5p(args.slice).num_devices
         batch = args.batch or (devices if args.mode == "train" else 1)
         seq = args.seq_len or (cfg.train.seq_len if args.mode == "train" else cfg.model.max_seq_len)
-        jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides))]
+        jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib)]
     else:
         jobs = list(PLAN)
     results = []
     for job in jobs:
         print(f"{job.config} {job.mode} on {job.slice} ({_mesh_str(dataclasses.asdict(job.mesh))}):", flush=True)
         r = compile_job(job, flops=not args.no_flops, breakdown=args.breakdown is not None,
-                        hbm_limit_bytes=None if args.hbm_gib is None else int(args.hbm_gib * GIB),
                         log=lambda s: print(s, flush=True))
         print(f"  {'fits' if r.fits else 'DOES NOT FIT'} ({_verdict(r)}): memory_analysis {_gib(r.total_bytes)} GiB, "
               f"HBM {_gib(r.hbm_bytes)}"
