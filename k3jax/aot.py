@@ -558,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
                     "*memory-usage-report.txt, the largest buffers; written even when the program does not fit)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
     args = ap.parse_args(argv)
+    if args.breakdown and "=" in args.breakdown:  # `--breakdown a.b=c`: an override taken for the JSON path
+        ap.error(f"--breakdown's value {args.breakdown!r} looks like a config override: give a JSON path "
+                 "(--breakdown out.json) or put --breakdown after the overrides")
     if args.xla_dump:  # read when the first backend starts, which has not happened yet
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.xla_dump}".strip()
     if args.config:

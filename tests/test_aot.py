@@ -161,3 +161,11 @@ def test_the_compiler_is_held_to_the_hbm_budget(decode_result):
     r = aot.compile_job(DECODE, devices=_devices(), flops=False, hbm_limit_bytes=decode_result.argument_bytes // 2)
     assert not r.fits and "exceeds available HBM" in r.error, r.error
     assert "| no |" in aot.table([r])
+
+
+def test_an_override_after_breakdown_is_refused(capsys):
+    """``--breakdown`` takes an optional JSON path: an override right after it would silently become that
+    path (and be dropped from the config), so it is refused before anything compiles."""
+    with pytest.raises(SystemExit) as e:
+        aot.main(["--config", "tiny", "--breakdown", "train.batch_size=8"])
+    assert e.value.code == 2 and "looks like a config override" in capsys.readouterr().err
