@@ -31,7 +31,7 @@ FLOPs: ``compiled.cost_analysis()['flops']`` is per device and counts the body o
 (a ``lax.scan`` over the K3 layer groups runs 22 times but is counted once). The step's FLOPs are
 therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group = F - F_no_groups`` measured by
 compiling the same step for the model without its scanned group stack (the optimizer's
-Newton-Schulz of a stacked weight runs under ``lax.map`` over the layers, so it is multiplied
+Newton-Schulz of a stacked weight runs in a loop over the layers, so it is multiplied
 correctly too; the elementwise optimizer work of the stacked weights, under 0.1%, is over-counted).
 Gradient accumulation is one more loop: with ``grad_accum = A > 1`` the FLOPs come from the step
 compiled for one micro-batch (``A = 1``, the same per-device shapes) as ``A * micro - (A - 1) * NS``
@@ -409,11 +409,12 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     cfg = job.load()
     tpu = TpuSlice.v5p(job.slice)
     mesh = make_mesh(job.mesh, tpu.devices() if devices is None else devices)
-    if hbm_limit_bytes is None:
-        hbm_limit_bytes = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
-    limit = hbm_limit_bytes
     if mesh.devices.flat[0].platform != "tpu":
         limit = 0  # the budget is a libtpu option
+    elif hbm_limit_bytes is not None:
+        limit = hbm_limit_bytes
+    else:
+        limit = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
     base = dict(job=job, mesh_shape={a: mesh.shape[a] for a in MESH_AXES if mesh.shape[a] > 1},
                 num_devices=mesh.size, hbm_bytes=tpu.hbm_bytes, hbm_limit_bytes=limit)
     options = {"xla_tpu_max_hbm_size_mib": limit // 2**20} if limit else {}
