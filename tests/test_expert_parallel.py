@@ -30,6 +30,32 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
         got = np.asarray(jax.jit(f)(*args))
     assert got.tolist() == [1, 3, 0, 0, 2, 2, 4, 0], got
 
+    # ... and the docstring's semantics with several slices per peer (as the exchange sends one per
+    # (peer, local expert)), random sizes and offsets, against a plain loop over the slices
+    ep, S, M, R = 4, 3, 16, 24
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 3, size=(ep, ep, S))  # [src, dst, slice]
+    operand = rng.normal(size=(ep, M, 2)).astype(np.float32)
+    in_off = np.stack([rng.permutation(M - 2)[:ep * S] for _ in range(ep)])  # [src, dst * S + slice]
+    # where on dst: every dst's slices in distinct 2-row slots, so no two writes overlap
+    slots = np.stack([rng.permutation(R // 2)[:ep * S] for _ in range(ep)]).reshape(ep, ep, S)  # [dst, src, j]
+    out_off = 2 * slots.transpose(1, 0, 2).reshape(ep, -1)  # [src, dst * S + slice]
+    want = np.zeros((ep, R, 2), np.float32)
+    for src in range(ep):
+        for i in range(ep * S):
+            dst = i // S
+            size = sizes[src, dst, i % S]
+            want[dst, out_off[src, i]:out_off[src, i] + size] = operand[src, in_off[src, i]:in_off[src, i] + size]
+    recv = sizes.transpose(1, 0, 2).reshape(ep, -1)  # on dst: [src * S + slice]
+    mesh4 = jax.make_mesh((ep,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+    f = jax.shard_map(lambda *a: dense_ragged_all_to_all(*a, axis_name="expert"), mesh=mesh4,
+                      in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    args = (operand.reshape(ep * M, 2), np.zeros((ep * R, 2), np.float32), in_off.reshape(-1),
+            sizes.reshape(-1), out_off.reshape(-1), recv.reshape(-1))
+    with jax.set_mesh(mesh4):
+        got = np.asarray(jax.jit(f)(*(jnp.asarray(a) for a in args)))
+    assert np.array_equal(got.reshape(ep, R, 2), want), np.abs(got.reshape(ep, R, 2) - want).max()
+
     rng = np.random.default_rng(0)
     N, L, F, E, K = 64, 16, 24, 8, 3
     z = jnp.asarray(rng.normal(size=(N, L)), jnp.float32)
@@ -70,13 +96,14 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     experts = np.asarray(route.experts)
     kept = {"all_to_all": np.zeros((N, K), bool), "all_gather": np.zeros((N, K), bool)}
     for dst in range(ep):
-        start = 0  # receive buffer: chunks of src 0, 1, ..., each sorted by expert
-        for src in range(ep):
-            flat = experts[src * n:(src + 1) * n].reshape(-1)
-            mine = [p for p in np.argsort(flat, kind="stable") if flat[p] // num_local == dst]
-            for j, p in enumerate(mine):
-                kept["all_to_all"][src * n + p // K, p % K] = start + j < capacity
-            start += len(mine)
+        start = 0  # receive buffer: local expert 0's pairs from src 0, 1, ..., then expert 1's, ...
+        for e in range(dst * num_local, (dst + 1) * num_local):
+            for src in range(ep):
+                flat = experts[src * n:(src + 1) * n].reshape(-1)
+                mine = [p for p in np.argsort(flat, kind="stable") if flat[p] == e]
+                for j, p in enumerate(mine):
+                    kept["all_to_all"][src * n + p // K, p % K] = start + j < capacity
+                start += len(mine)
         flat = experts.reshape(-1)  # all_gather: every token, local pairs sorted by local expert
         local = np.where(flat // num_local == dst, flat - dst * num_local, num_local)
         for p in np.argsort(local, kind="stable")[:capacity]:
@@ -101,18 +128,14 @@ def test_expert_exchanges_match_single_device():
     print(run_on_cpu_devices(SCRIPT))
 
 
-@pytest.mark.tpu_aot
-def test_ragged_all_to_all_dispatch_compiles_for_tpu():
-    """The TPU / GPU exchange cannot run on XLA:CPU; compile its forward + backward for a v5p slice."""
+@pytest.fixture(scope="module")
+def v5p_expert_mesh():
+    """A 4-chip v5p topology's devices as one ``expert`` axis (compiles only; no TPU needed)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     pytest.importorskip("libtpu")
     import jax
-    import jax.numpy as jnp
     from jax.experimental import topologies
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-    from k3jax.ops.moe import sigmoid_topk_route
-    from k3jax.parallel.expert import expert_parallel_experts
+    from jax.sharding import AxisType
 
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name="v5:2x2x1", chip_config_name="megacore",
@@ -120,7 +143,20 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu():
                                             wrap=(False, False, False))
     except Exception as e:  # libtpu present but unusable on this host
         pytest.skip(f"no TPU topology from libtpu: {e}")
-    mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=topo.devices)
+    return jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=topo.devices)
+
+
+@pytest.mark.tpu_aot
+def test_ragged_all_to_all_dispatch_compiles_for_tpu(v5p_expert_mesh):
+    """The TPU / GPU exchange cannot run on XLA:CPU; compile its forward + backward for a v5p slice."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.ops.moe import sigmoid_topk_route
+    from k3jax.parallel.expert import expert_parallel_experts
+
+    mesh = v5p_expert_mesh
     n, latent, width, num_experts, top_k = 256, 128, 256, 16, 4
 
     from k3jax import breakdown
@@ -156,3 +192,45 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu():
     balanced, buffer = n // devices * top_k, n * top_k
     assert 3 * gemm * balanced <= fwd < 3 * gemm * buffer, (fwd / (3 * gemm), balanced, buffer)
     assert flops["ragged_dot"][1] > 2 * bwd
+
+
+@pytest.mark.tpu_aot
+def test_each_layers_expert_weight_gradients_are_computed_in_its_backward(v5p_expert_mesh):
+    """Nothing upstream needs an expert weight gradient, and XLA:TPU's scheduler had deferred every
+    layer's to the end of the backward, keeping each layer's receive buffers alive until then (9.9
+    receive buffers of temporaries for these 4 remat'd layers, against 4.7 when each layer's are
+    computed in its backward)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.ops.moe import sigmoid_topk_route
+    from k3jax.parallel.expert import expert_parallel_experts
+
+    mesh = v5p_expert_mesh
+    layers, n, latent, width, num_experts, top_k = 4, 8192, 1024, 256, 16, 4
+
+    def loss(z, logits, w_gate, w_up, w_down):
+        def layer(z, logits, w):
+            route = sigmoid_topk_route(logits, None, top_k)
+            u = expert_parallel_experts(z, route.experts, route.weights, *w, activation="swiglu")
+            return z + u.astype(z.dtype)
+
+        for i in range(layers):
+            z = jax.checkpoint(layer)(z, logits[i], (w_gate[i], w_up[i], w_down[i]))
+        return jnp.sum(z.astype(jnp.float32) ** 2)
+
+    def arg(shape, spec, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    stacked = P(None, "expert")
+    args = [arg((n, latent), P("expert")), arg((layers, n, num_experts), stacked, jnp.float32),
+            arg((layers, num_experts, latent, width), stacked), arg((layers, num_experts, latent, width), stacked),
+            arg((layers, num_experts, width, latent), stacked)]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(2, 3, 4))).lower(*args).compile()
+    devices = mesh.size
+    # one device's dropless receive buffer: every pair of every device, at most min(k, E_l) per token
+    receive_buffer = n * min(top_k, num_experts // devices) * latent * 2
+    buffers = compiled.memory_analysis().temp_size_in_bytes / receive_buffer
+    assert buffers < 7, buffers

@@ -12,10 +12,12 @@ count (each device owns distinct tokens), the experts over ``expert`` (each devi
 ``E_l = E / ep`` of them). Token exchange over ``expert``, chosen by ``moe.ep_dispatch``:
 
 - ``ragged_all_to_all`` (TPU / GPU): each device sorts its (token, expert) pairs by expert, hence by
-  owning device, sends each device exactly its rows with ``jax.lax.ragged_all_to_all``, runs its
-  experts over what it received (``ragged_dot``) and sends the results back the same way. The
-  receive buffer is sized for the worst case, ``ep * n * min(k, E_l)`` rows for ``n`` local tokens
-  (every pair of every device landing on one device), so nothing is ever dropped.
+  owning device, and sends each device one slice per local expert with
+  ``jax.lax.ragged_all_to_all``, written where the receive buffer is grouped by expert (expert 0's
+  pairs from every sender, then expert 1's, ...). The experts run straight over the buffer (the
+  grouped matmul) and the results go back the same way. The receive buffer is sized for the worst
+  case, ``ep * n * min(k, E_l)`` rows for ``n`` local tokens (every pair of every device landing on
+  one device), so nothing is ever dropped.
 - ``all_to_all``: the same exchange, with the ragged collective emulated by a dense
   ``jax.lax.all_to_all`` of per-destination blocks padded to the worst case. It runs everywhere
   (XLA:CPU has no ``ragged-all-to-all``), so CPU tests check the offsets and regrouping the ragged
@@ -120,18 +122,6 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _masked_glu(glu, rows, local_expert, num_local):
-    """Run ``rows [R, L]`` through their local expert ``local_expert [R]`` (``num_local`` = none) ->
-    ``[R, L]`` in the input order, zeros for rows of no local expert."""
-    order = jnp.argsort(local_expert, stable=True)
-    group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    # The gathers of this module have in-range indices by construction: mode="clip" skips the default
-    # "fill" mode's out-of-range select, a pass over (and a buffer of) every gathered row.
-    ys = glu(jnp.take(rows, order, axis=0, mode="clip"), group_sizes)
-    ys = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
-    return jnp.take(ys, jnp.argsort(order), axis=0, mode="clip")
-
-
 def capacity_rows(fair_share: int, worst_case: int, capacity_factor: float) -> int:
     """Rows a device reserves for the pairs it computes: the worst case (dropless) when
     ``capacity_factor`` is 0, else ``ceil(capacity_factor * fair_share)`` (at most the worst case)."""
@@ -151,6 +141,12 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
 
     z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32. ``exchange`` has the signature
     and semantics of ``jax.lax.ragged_all_to_all`` over the ``expert`` axis.
+
+    Each device sends one slice per (destination, local expert), and each slice lands where the
+    destination's receive buffer is already grouped by expert: expert 0's pairs from src 0, 1, ...,
+    then expert 1's, ... The experts run straight over the buffer and the results go back the same
+    way, so no ``[capacity, L]`` buffer is ever permuted (a sort and its inverse, forward and
+    backward, were most of a dropless step's memory).
     """
     n, k = experts.shape
     me = jax.lax.axis_index(EXPERT_AXIS)
@@ -158,27 +154,28 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
     sent = jnp.take(z, order // k, axis=0, mode="clip")  # [n*k, L]
     counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
-    # pairs[src, dst, e]: pairs device src sends to local expert e of device dst
-    pairs = jax.lax.all_gather(counts, EXPERT_AXIS).reshape(ep, ep, num_local)
-    sizes = jnp.sum(pairs, axis=-1)  # [src, dst]
+    all_counts = jax.lax.all_gather(counts, EXPERT_AXIS)  # [src, E]
+    # where each global expert's pairs start in its sender's sorted pairs: [src, dst, e]
+    send_starts = _exclusive_cumsum(all_counts, axis=1).reshape(ep, ep, num_local)
+    pairs = all_counts.reshape(ep, ep, num_local).transpose(1, 2, 0)  # [dst, e, src] pairs sent
+    # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
+    starts = _exclusive_cumsum(pairs.reshape(ep, -1), axis=1).reshape(pairs.shape)  # [dst, e, src]
     # worst case: every pair of every device lands on one device (a token's k experts are distinct)
     capacity = capacity_rows(n * k, ep * n * min(k, num_local), capacity_factor)
-    # the receive buffer holds the chunks of src 0, 1, ... in order, each sorted by expert; what does
-    # not fit is not sent (only with a capacity factor: dropped pairs contribute nothing)
-    offsets = jnp.minimum(_exclusive_cumsum(sizes, axis=0), capacity)  # [src, dst] chunk start on dst
-    kept = jnp.minimum(sizes, capacity - offsets)  # [src, dst]
-    send_offsets = _exclusive_cumsum(sizes[me])  # chunk starts in my sorted pairs
+    # what does not fit is not sent (only with a capacity factor: dropped pairs contribute nothing)
+    offsets = jnp.minimum(starts, capacity)
+    kept = jnp.minimum(pairs, capacity - offsets)  # [dst, e, src]
+    # slices in (peer, local expert) order, as ragged_all_to_all groups them per peer
+    to_peers = dict(input_offsets=send_starts[me].reshape(-1), send_sizes=kept[:, :, me].reshape(-1),
+                    output_offsets=offsets[:, :, me].reshape(-1), recv_sizes=kept[me].T.reshape(-1))
     # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
-    buffer = jnp.zeros_like(sent, shape=(capacity, sent.shape[1]))
-    received = exchange(sent, buffer, send_offsets, kept[me], offsets[me], kept[:, me], axis_name=EXPERT_AXIS)
-    # local expert of each received row: rows are runs of (src, e) in that order
-    run_ends = jnp.cumsum(_keep_prefix(pairs[:, me], kept[:, me]).reshape(-1))  # [ep * E_l]
-    run = jnp.searchsorted(run_ends, jnp.arange(capacity, dtype=run_ends.dtype), side="right")
-    local_expert = jnp.where(run < ep * num_local, run % num_local, num_local)
-    results = _masked_glu(glu, received, local_expert, num_local)
-    # back to the senders, each chunk to where it came from in the sender's sorted order
-    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), offsets[:, me], kept[:, me],
-                        _exclusive_cumsum(sizes, axis=1)[:, me], kept[me], axis_name=EXPERT_AXIS)
+    received = exchange(sent, jnp.zeros_like(sent, shape=(capacity, sent.shape[1])), **to_peers,
+                        axis_name=EXPERT_AXIS)
+    # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
+    results = glu(received, jnp.sum(kept[me], axis=1))
+    back = dict(input_offsets=offsets[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
+                output_offsets=send_starts[:, me].reshape(-1), recv_sizes=to_peers["send_sizes"])
+    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), **back, axis_name=EXPERT_AXIS)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
     return combine_experts(weights, pair_out)
 
@@ -216,18 +213,34 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
 
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    """``jax.lax.ragged_all_to_all`` (one slice per peer) from a dense ``jax.lax.all_to_all``.
+    """``jax.lax.ragged_all_to_all`` from a dense ``jax.lax.all_to_all``.
 
-    Each peer's slice is copied into a block padded to ``min(len(operand), len(output))`` rows (no
-    slice can be longer), the blocks are exchanged, and each received block is written at its offset.
-    operand ``[M, ...]``, output ``[R, ...]``, offsets and sizes ``[ep]`` int -> ``[R, ...]``.
+    The ``S`` slices of each peer (``len(input_offsets) = ep * S``, peer-major) are concatenated into
+    one block padded to ``min(len(operand), len(output))`` rows (no peer's slices can add up to more),
+    the blocks are exchanged, and each received row is written at its slice's offset plus its place
+    in the slice. operand ``[M, ...]``, output ``[R, ...]``, offsets and sizes ``[ep * S]`` int ->
+    ``[R, ...]``.
     """
+    ep = jax.lax.axis_size(axis_name)
     cap = min(operand.shape[0], output.shape[0])
     rows = jnp.arange(cap, dtype=input_offsets.dtype)
-    take_rows = jnp.clip(input_offsets[:, None] + rows, 0, operand.shape[0] - 1)  # [ep, cap]
-    keep = (rows < send_sizes[:, None]).reshape(take_rows.shape + (1,) * (operand.ndim - 1))
+
+    def slice_of(sizes):
+        """[ep, S] slice sizes -> (slice index, row within the slice, inside any slice) of each block row."""
+        ends = jnp.cumsum(sizes, axis=1)
+        j = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [ep, cap]
+        j_in = jnp.minimum(j, sizes.shape[1] - 1)
+        within = rows - jnp.take_along_axis(ends - sizes, j_in, axis=1)
+        return j_in, within, rows < ends[:, -1:]
+
+    j, within, sending = slice_of(send_sizes.reshape(ep, -1))
+    take_rows = jnp.clip(jnp.take_along_axis(input_offsets.reshape(ep, -1), j, axis=1) + within,
+                         0, operand.shape[0] - 1)  # [ep, cap]
+    keep = sending.reshape(take_rows.shape + (1,) * (operand.ndim - 1))
     blocks = jnp.where(keep, jnp.take(operand, take_rows, axis=0, mode="clip"), jnp.zeros((), operand.dtype))
     received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [ep, cap, ...]: block i from peer i
-    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where peer i's slice lands here
-    put_rows = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, output.shape[0])  # past the end: dropped
+    # where peer i's slices land here
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True).reshape(ep, -1)
+    j, within, receiving = slice_of(recv_sizes.reshape(ep, -1))
+    put_rows = jnp.where(receiving, jnp.take_along_axis(offsets, j, axis=1) + within, output.shape[0])  # past the end: dropped
     return output.at[put_rows.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
