@@ -162,8 +162,8 @@ def _clear_run_dir(out: pathlib.Path) -> None:
 
 def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_tokens: int = 200) -> dict:
     """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
-    the last logged ``loss``, ``eval_loss``, ``sample`` and ``interrupted`` (True when stopped by
-    Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards.
+    the last logged ``loss``, ``eval_loss`` (NaN without a held-out split), ``sample`` and
+    ``interrupted`` (True when stopped by Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards.
 
     ``fresh``: delete the run directory's contents first instead of resuming. ``reschedule``: accept a
     learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
@@ -246,7 +246,8 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
-    eval_fn = make_eval_step(graphdef, cfg)
+    # no held-out split (train.data.eval_fraction = 0): no eval, and no eval step to compile
+    eval_fn = make_eval_step(graphdef, cfg) if tc.data.eval_fraction > 0 else None
     moe_layers = expert_imbalance_layers(cfg.model)
 
     log = RunLog(out, step=start, enabled=main_process)
@@ -295,11 +296,13 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
                     f"Run the same command to resume.")
         return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
 
-    eval_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
-    log.write({"step": tc.steps, "eval_loss": eval_loss})
+    if eval_fn is not None:
+        eval_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
+        log.write({"step": tc.steps, "eval_loss": eval_loss})
     log.close()
     plot = plot_losses(out) if main_process else None
-    _print_main(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, eval loss {eval_loss:.4f}; "
+    evaluated = f"eval loss {eval_loss:.4f}" if eval_fn is not None else "no eval (train.data.eval_fraction=0)"
+    _print_main(f"step {tc.steps}: loss {record.get('loss', float('nan')):.4f}, {evaluated}; "
                 f"metrics in {out / 'metrics.jsonl'}, plot {plot}")
 
     sample = ""

@@ -53,7 +53,7 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte", a tokenizer.json path, or a tiktoken model path
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat forever
-    eval_fraction: float = 0.01  # held-out documents for the eval loss
+    eval_fraction: float = 0.01  # held-out documents for the eval loss; 0: none, and no eval
 
     def validate(self, prefix: str = "train.data") -> None:
         check(0 <= self.eval_fraction < 1, f"{prefix}.eval_fraction", "must be in [0, 1)")
@@ -91,6 +91,9 @@ class TrainConfig:
             check(getattr(self, f) > 0, f"{prefix}.{f}", "must be positive")
         check(self.batch_size % self.grad_accum == 0, f"{prefix}.grad_accum",
                f"must divide batch_size={self.batch_size}")
+        check(self.eval_every >= 0, f"{prefix}.eval_every", "must be >= 0 (0: only at the end)")
+        check(not (self.eval_every and self.data.eval_fraction == 0), f"{prefix}.eval_every",
+              "needs a held-out split: train.data.eval_fraction is 0")
         self.optim.validate(f"{prefix}.optim")
         self.data.validate(f"{prefix}.data")
 
