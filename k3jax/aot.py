@@ -30,15 +30,18 @@ its preallocated temporary buffer (``--xla-dump``'s buffer assignment) is 12.5 G
 FLOPs: ``compiled.cost_analysis()['flops']`` is per device and counts the body of every loop once
 (a ``lax.scan`` over the K3 layer groups runs 22 times but is counted once). The step's FLOPs are
 therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group = F - F_no_groups`` measured by
-compiling the same step for the model without its scanned group stack (the optimizer's
-Newton-Schulz of a stacked weight runs in a loop over the layers, so it is multiplied
-correctly too; the elementwise optimizer work of the stacked weights, under 0.1%, is over-counted).
+compiling the same step for the model without its scanned group stack. The optimizer's
+Newton-Schulz of a stacked weight runs in a loop over its layers, so this multiplies it correctly
+only when a loop step orthogonalises one layer (``newton_schulz.layers_per_step``); with several
+per step it over-counts it by that number (``--breakdown`` applies every loop's trip count instead).
+The elementwise optimizer work of the stacked weights, under 0.1%, is over-counted.
 Gradient accumulation is one more loop: with ``grad_accum = A > 1`` the FLOPs come from the step
 compiled for one micro-batch (``A = 1``, the same per-device shapes) as ``A * micro - (A - 1) * NS``
 (the optimizer runs once per step; NS, its Newton-Schulz, counted analytically); a program already
-compiled in the process (e.g. that micro-batch step as a job of its own) is not compiled again. The memory
-figures are always those of the real accumulating step. Loops inside a layer are still counted once: the chunked KDA's scan over chunks (its inter-chunk
-state recurrence, under 1% of a KDA layer) and blockwise attention over more than one key block.
+compiled in the process (e.g. that micro-batch step as a job of its own) is not compiled again. The
+memory figures are always those of the real accumulating step. Loops inside a layer are still counted
+once: the chunked KDA's scan over chunks (its inter-chunk state recurrence, under 1% of a KDA layer)
+and blockwise attention over more than one key block.
 ``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
 FLOPs; the ratio shows recompute (remat), attention, routing, the expert-parallel buffers' padding
 and the optimizer; the Newton-Schulz part of it is counted analytically and shown separately.
@@ -562,6 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.breakdown and "=" in args.breakdown:  # `--breakdown a.b=c`: an override taken for the JSON path
         ap.error(f"--breakdown's value {args.breakdown!r} looks like a config override: give a JSON path "
                  "(--breakdown out.json) or put --breakdown after the overrides")
+    if args.hbm_gib is not None and args.hbm_gib <= 0:
+        ap.error(f"--hbm-gib must be positive, got {args.hbm_gib}")
     if args.xla_dump:  # read when the first backend starts, which has not happened yet
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.xla_dump}".strip()
     if args.config:
@@ -571,8 +576,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = args.batch or (devices if args.mode == "train" else 1)
         seq = args.seq_len or (cfg.train.seq_len if args.mode == "train" else cfg.model.max_seq_len)
         jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib)]
-    else:
-        jobs = list(PLAN)
+    else:  # the PLAN, each job under its own budget unless --hbm-gib overrides them all
+        jobs = [job if args.hbm_gib is None else dataclasses.replace(job, hbm_gib=args.hbm_gib) for job in PLAN]
     results = []
     for job in jobs:
         print(f"{job.config} {job.mode} on {job.slice} ({_mesh_str(dataclasses.asdict(job.mesh))}):", flush=True)

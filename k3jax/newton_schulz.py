@@ -133,7 +133,7 @@ MAX_BLOCKS_PER_DEVICE_STEP = 16
 
 def layers_per_step(x: jax.Array, dn: MDN) -> int:
     """Layers of the stacked weight ``x [layers, E, ...]`` (axis 1 a batch axis: stacked experts) whose
-    momentum and Newton-Schulz run together, in one ``lax.map`` step: the divisor of ``layers`` that
+    momentum and Newton-Schulz run together, in one step of the update's loop: the divisor of ``layers`` that
     leaves each device the fewest blocks in all, the smallest of those (the temporaries grow with it).
     The spread (:func:`_spread_blocks`) pads each expert group's blocks to a multiple of its devices:
     full K3 on v5p-2048 has 14 experts per group of 16 devices, so one layer at a time is 16 blocks' work

@@ -404,6 +404,8 @@ def _in_place_over_layers(fn: Callable, g: jax.Array, m: jax.Array, layers: int)
     The next step's slices are read from the stacks *after* this step's writes and carried: every read
     of a stack then follows its last write, so XLA:CPU writes in place too (with the slices read at the
     top of the step, its fusions read the stacks after the writes and it copied both stacks every step)."""
+    if g.shape[0] % layers:  # the slices past the last whole one would keep the raw gradient
+        raise ValueError(f"{layers} layers per step do not divide the stack of {g.shape[0]}")
     last = g.shape[0] - layers
 
     def take(u, mu, start):

@@ -163,7 +163,8 @@ def _clear_run_dir(out: pathlib.Path) -> None:
 def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_tokens: int = 200) -> dict:
     """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
     the last logged ``loss``, ``eval_loss`` (NaN without a held-out split), ``sample`` and
-    ``interrupted`` (True when stopped by Ctrl-C after saving). Process 0 logs and samples; every process steps and saves its shards.
+    ``interrupted`` (True when stopped by Ctrl-C after saving). Process 0 logs and samples; every
+    process steps and saves its shards.
 
     ``fresh``: delete the run directory's contents first instead of resuming. ``reschedule``: accept a
     learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
@@ -248,6 +249,8 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     # no held-out split (train.data.eval_fraction = 0): no eval, and no eval step to compile
     eval_fn = make_eval_step(graphdef, cfg) if tc.data.eval_fraction > 0 else None
+    if tc.eval_every and eval_fn is None:  # load_config refuses it; a Config built in code may not
+        raise ValueError("train.eval_every needs a held-out split: train.data.eval_fraction is 0")
     moe_layers = expert_imbalance_layers(cfg.model)
 
     log = RunLog(out, step=start, enabled=main_process)

@@ -169,3 +169,26 @@ def test_an_override_after_breakdown_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         aot.main(["--config", "tiny", "--breakdown", "train.batch_size=8"])
     assert e.value.code == 2 and "looks like a config override" in capsys.readouterr().err
+
+
+def test_hbm_budget_flag_reaches_every_plan_job_and_must_be_positive(monkeypatch, capsys):
+    """``--hbm-gib`` without ``--config`` holds every job of the PLAN to it (it used to reach only a
+    ``--config`` job, silently); a budget <= 0 is refused."""
+    with pytest.raises(SystemExit) as e:
+        aot.main(["--hbm-gib", "0"])
+    assert e.value.code == 2 and "--hbm-gib must be positive" in capsys.readouterr().err
+
+    budgets = []
+
+    class Stop(Exception):
+        pass
+
+    def record(job, **kwargs):  # stands in for the compile: note the job's budget, compile nothing
+        budgets.append(job.hbm_gib)
+        raise Stop
+
+    monkeypatch.setattr(aot, "compile_job", record)
+    for argv, want in ((["--hbm-gib", "42"], 42.0), ([], aot.PLAN[0].hbm_gib)):
+        with pytest.raises(Stop):
+            aot.main(argv)
+        assert budgets[-1] == want

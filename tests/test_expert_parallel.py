@@ -88,35 +88,41 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
             assert err < 1e-5, (n, names, mode, err)
             worst = max(worst, err)
 
-    # With a capacity factor a device computes at most c * n * k pairs; the overflow is dropped, and
-    # exactly the pairs the exchange's layout puts past the capacity are missing from u.
+    # With a capacity factor a device computes at most c * n * k pairs. A device over it cuts its
+    # busiest experts (rows handed out one round at a time, one to each expert with pairs left), each
+    # keeping its first pairs in token order; both exchanges drop exactly those pairs, forward and
+    # backward.
+    def round_robin(loads, capacity):
+        kept = [0] * len(loads)
+        while capacity and any(k < l for k, l in zip(kept, loads)):
+            for e, load in enumerate(loads):
+                if capacity and kept[e] < load:
+                    kept[e], capacity = kept[e] + 1, capacity - 1
+        return kept
+
     ep, factor = 4, 1.0
     n, num_local = N // ep, E // ep
     capacity = int(np.ceil(factor * n * K))
-    experts = np.asarray(route.experts)
-    kept = {"all_to_all": np.zeros((N, K), bool), "all_gather": np.zeros((N, K), bool)}
+    flat = np.asarray(route.experts).reshape(-1)  # pairs in token order
+    keep = np.zeros(N * K, bool)
     for dst in range(ep):
-        start = 0  # receive buffer: local expert 0's pairs from src 0, 1, ..., then expert 1's, ...
-        for e in range(dst * num_local, (dst + 1) * num_local):
-            for src in range(ep):
-                flat = experts[src * n:(src + 1) * n].reshape(-1)
-                mine = [p for p in np.argsort(flat, kind="stable") if flat[p] == e]
-                for j, p in enumerate(mine):
-                    kept["all_to_all"][src * n + p // K, p % K] = start + j < capacity
-                start += len(mine)
-        flat = experts.reshape(-1)  # all_gather: every token, local pairs sorted by local expert
-        local = np.where(flat // num_local == dst, flat - dst * num_local, num_local)
-        for p in np.argsort(local, kind="stable")[:capacity]:
-            kept["all_gather"][p // K, p % K] |= local[p] < num_local
-    pair_out = grouped_glu_experts(z, route.experts, w_gate, w_up, w_down, activation="situ_glu")
+        mine = [e for e in range(dst * num_local, (dst + 1) * num_local)]
+        quota = dict(zip(mine, round_robin([int(np.sum(flat == e)) for e in mine], capacity)))
+        for e in mine:
+            keep[np.flatnonzero(flat == e)[:quota[e]]] = True
+    keep = keep.reshape(N, K)
+    assert 0 < keep.sum() < N * K, keep.sum()  # some pairs dropped, not all
+
+    def masked(z, experts, weights, w_gate, w_up, w_down):
+        return single(z, experts, weights * keep, w_gate, w_up, w_down)
+
+    (_, want), want_grads = loss(masked, N)(*params)
     mesh = jax.make_mesh((ep,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
-    for mode, keep in kept.items():
-        assert 0 < keep.sum() < N * K, keep.sum()  # some pairs dropped, not all
-        want = jnp.einsum("nk,nkl->nl", route.weights * keep, pair_out)
+    for mode in ("all_to_all", "all_gather"):
         fn = lambda *a: expert_parallel_experts(*a, activation="situ_glu", dispatch=mode, capacity_factor=factor)
         with jax.set_mesh(mesh):
-            got = jax.jit(fn)(z, route.experts, route.weights, w_gate, w_up, w_down)
-        err = rel(got, want)
+            (_, got), grads = loss(fn, N)(*params)
+        err = max(rel(got, want), rel(grads, want_grads))
         assert err < 1e-5, (mode, err)
         worst = max(worst, err)
     print("OK", worst)
@@ -234,3 +240,34 @@ def test_each_layers_expert_weight_gradients_are_computed_in_its_backward(v5p_ex
     receive_buffer = n * min(top_k, num_experts // devices) * latent * 2
     buffers = compiled.memory_analysis().temp_size_in_bytes / receive_buffer
     assert buffers < 7, buffers
+
+
+def test_fill_capacity_cuts_the_busiest_experts_first():
+    """``fill_capacity`` (closed form) against handing out rows one round at a time: in each round one
+    to every expert, in index order, that has pairs left."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3jax.parallel.expert import fill_capacity
+
+    def round_robin(loads, capacity):
+        kept = np.zeros_like(loads)
+        while capacity and np.any(kept < loads):
+            for e in range(len(loads)):
+                if capacity and kept[e] < loads[e]:
+                    kept[e] += 1
+                    capacity -= 1
+        return kept
+
+    rng = np.random.default_rng(0)
+    cases = [(np.array([5, 1, 9, 0, 9]), c) for c in range(0, 26)]  # ties, an empty expert, every capacity
+    cases += [(rng.integers(0, 40, size=rng.integers(1, 12)), int(rng.integers(0, 200))) for _ in range(200)]
+    fill = jax.jit(fill_capacity)  # one compile per number of experts, the capacity traced
+    for loads, capacity in cases:
+        got = np.asarray(fill(jnp.asarray(loads, jnp.int32), capacity))
+        np.testing.assert_array_equal(got, round_robin(loads, capacity), err_msg=f"{loads} {capacity}")
+    # batched over leading axes, as the exchange calls it ([dst, E_l])
+    loads = rng.integers(0, 30, size=(6, 7))
+    got = np.asarray(fill(jnp.asarray(loads, jnp.int32), 50))
+    np.testing.assert_array_equal(got, np.stack([round_robin(row, 50) for row in loads]))

@@ -30,8 +30,9 @@ count (each device owns distinct tokens), the experts over ``expert`` (each devi
 Static shapes force the receive buffers (and the rows each device runs through its experts) to a
 size fixed at trace time. By default it is the worst case, so no pair is ever dropped; that is
 ``ep * min(k, E_l)`` times the fair share ``n * k`` and dominates memory at large ``ep``.
-``moe.ep_capacity_factor = c > 0`` caps it at ``c * n * k`` rows and drops the pairs past it
-(GShard-style capacity, not dropless).
+``moe.ep_capacity_factor = c > 0`` caps it at ``c * n * k`` rows and drops the pairs that do not
+fit (capacity, not dropless): a device over its capacity cuts its busiest experts down to a common
+level (:func:`fill_capacity`), the least loaded keep all their pairs.
 
 When the tokens cannot be split over ``expert`` (fewer tokens than devices, e.g. one decode token),
 every device of an ``expert`` group holds the same tokens: each runs its own experts and the partial
@@ -130,6 +131,30 @@ def capacity_rows(fair_share: int, worst_case: int, capacity_factor: float) -> i
     return max(1, min(worst_case, math.ceil(capacity_factor * fair_share)))
 
 
+def fill_capacity(loads: jax.Array, capacity) -> jax.Array:
+    """Pairs each expert keeps when its device's experts share ``capacity`` rows.
+
+    loads ``[..., E_l]`` int (pairs routed to each local expert) -> kept ``[..., E_l]``: every pair
+    when they fit; else water-filling, so that only the busiest experts lose pairs: each expert keeps
+    up to a common level (the least loaded keep all of theirs), and the rows left under the next level
+    go one each to the first experts (by index) above it. Equals handing out rows one round at a
+    time, in each round one to every expert (in index order) that has pairs left.
+    """
+    e = loads.shape[-1]
+    s = jnp.sort(loads, axis=-1)
+    prefix = jnp.cumsum(s, axis=-1)
+    # total kept with every expert capped at the i-th smallest load
+    level_totals = prefix + (e - 1 - jnp.arange(e)) * s
+    whole = jnp.sum(level_totals <= capacity, axis=-1, keepdims=True)  # least loaded experts kept whole
+    below = jnp.where(whole > 0, jnp.take_along_axis(prefix, jnp.maximum(whole - 1, 0), axis=-1), 0)
+    level = (capacity - below) // jnp.maximum(e - whole, 1)  # the others' share, rounded down
+    over = loads > level
+    kept = jnp.minimum(loads, level)
+    extra = capacity - jnp.sum(kept, axis=-1, keepdims=True)  # < the number of experts over the level
+    kept = kept + (over & (jnp.cumsum(over, axis=-1) <= extra)).astype(kept.dtype)
+    return jnp.where(jnp.sum(loads, axis=-1, keepdims=True) <= capacity, loads, kept)
+
+
 def _keep_prefix(counts, keep):
     """Truncate runs ``counts [..., R]`` (laid out in order) to their first ``keep [...]`` rows."""
     ends = jnp.minimum(jnp.cumsum(counts, axis=-1), keep[..., None])
@@ -158,22 +183,22 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     # where each global expert's pairs start in its sender's sorted pairs: [src, dst, e]
     send_starts = _exclusive_cumsum(all_counts, axis=1).reshape(ep, ep, num_local)
     pairs = all_counts.reshape(ep, ep, num_local).transpose(1, 2, 0)  # [dst, e, src] pairs sent
-    # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
-    starts = _exclusive_cumsum(pairs.reshape(ep, -1), axis=1).reshape(pairs.shape)  # [dst, e, src]
     # worst case: every pair of every device lands on one device (a token's k experts are distinct)
     capacity = capacity_rows(n * k, ep * n * min(k, num_local), capacity_factor)
-    # what does not fit is not sent (only with a capacity factor: dropped pairs contribute nothing)
-    offsets = jnp.minimum(starts, capacity)
-    kept = jnp.minimum(pairs, capacity - offsets)  # [dst, e, src]
+    # What does not fit is not sent (only with a capacity factor; dropped pairs contribute nothing):
+    # the busiest experts are cut (fill_capacity), each keeping its pairs from the first senders.
+    kept = _keep_prefix(pairs, fill_capacity(jnp.sum(pairs, axis=-1), capacity))  # [dst, e, src]
+    # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
+    recv_starts = _exclusive_cumsum(kept.reshape(ep, -1), axis=1).reshape(kept.shape)  # [dst, e, src]
     # slices in (peer, local expert) order, as ragged_all_to_all groups them per peer
     to_peers = dict(input_offsets=send_starts[me].reshape(-1), send_sizes=kept[:, :, me].reshape(-1),
-                    output_offsets=offsets[:, :, me].reshape(-1), recv_sizes=kept[me].T.reshape(-1))
+                    output_offsets=recv_starts[:, :, me].reshape(-1), recv_sizes=kept[me].T.reshape(-1))
     # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
     received = exchange(sent, jnp.zeros_like(sent, shape=(capacity, sent.shape[1])), **to_peers,
                         axis_name=EXPERT_AXIS)
     # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
     results = glu(received, jnp.sum(kept[me], axis=1))
-    back = dict(input_offsets=offsets[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
+    back = dict(input_offsets=recv_starts[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
                 output_offsets=send_starts[:, me].reshape(-1), recv_sizes=to_peers["send_sizes"])
     returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), **back, axis_name=EXPERT_AXIS)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
@@ -200,9 +225,14 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     local_expert = jnp.where(is_local, local, num_local)
     # only the local pairs are computed: at most min(k, E_l) per token, m * k / ep on average
     rows = capacity_rows(-(-m * k // ep), m * min(k, num_local), capacity_factor)
-    order = jnp.argsort(local_expert, stable=True)[:rows]
-    group_sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    group_sizes = _keep_prefix(group_sizes, jnp.int32(rows))  # pairs past the capacity are dropped
+    loads = jnp.bincount(local_expert, length=num_local + 1).astype(jnp.int32)  # [E_l + 1]: last = not local
+    group_sizes = fill_capacity(loads[:num_local], rows)  # the busiest experts' last pairs are dropped
+    # the pairs kept, grouped by expert (each expert's first pairs, in token order), then the rest
+    order = jnp.argsort(local_expert, stable=True)
+    grouped = local_expert[order]
+    within = jnp.arange(m * k) - _exclusive_cumsum(loads)[grouped]  # place in its expert's group
+    kept = (grouped < num_local) & (within < jnp.append(group_sizes, 0)[grouped])
+    order = order[jnp.argsort(~kept, stable=True)[:rows]]
     ys = glu(jnp.take(z, order // k, axis=0, mode="clip"), group_sizes)
     ys = jnp.where((jnp.arange(rows) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
     pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
@@ -242,5 +272,6 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     # where peer i's slices land here
     offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True).reshape(ep, -1)
     j, within, receiving = slice_of(recv_sizes.reshape(ep, -1))
-    put_rows = jnp.where(receiving, jnp.take_along_axis(offsets, j, axis=1) + within, output.shape[0])  # past the end: dropped
+    # rows in no slice go past the end, where mode="drop" drops them
+    put_rows = jnp.where(receiving, jnp.take_along_axis(offsets, j, axis=1) + within, output.shape[0])
     return output.at[put_rows.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
