@@ -21,6 +21,12 @@ RELATIVE_ERROR = textwrap.dedent("""
 """)
 
 
+def xla_flags(*flags: str) -> str:
+    """``$XLA_FLAGS`` (with the suite's codegen setting from conftest.py) and ``flags``: for a child process
+    that needs a flag of its own, such as a fake device count."""
+    return " ".join(f for f in (os.environ.get("XLA_FLAGS"), *flags) if f)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a test's child process: the CPU, this checkout first on the path, and XLA's
     optimisation passes off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, as the in-process ``fast_xla`` fixture):

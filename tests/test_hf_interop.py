@@ -25,6 +25,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cpu_devices import xla_flags  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.interop import hf_names, mxfp4  # noqa: E402
 from k3jax.interop.hf_config import HFConfigError, config_from_hf, config_to_hf  # noqa: E402
@@ -793,7 +794,7 @@ print("ok")
 @pytest.mark.slow
 def test_sharded_placement_on_a_4_device_mesh(kimi_linear_ckpt):
     path, _ = kimi_linear_ckpt
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
     out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(path), str(ROOT)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

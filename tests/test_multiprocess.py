@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from cpu_devices import subprocess_env
+from cpu_devices import subprocess_env, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARGS = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32",
@@ -28,7 +28,7 @@ def _two_processes(run_dir, steps: int, sample_tokens: int = 0) -> list[str]:
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        env = subprocess_env(XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
                              JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank))
         cmd = [sys.executable, str(ROOT / "train.py"), "--sample-tokens", str(sample_tokens), *ARGS,
                f"train.steps={steps}", f"run_dir={run_dir}"]

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_devices import xla_flags
 from k3jax import create_model, generate, load_config
 from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.data.tokenizers import ByteTokenizer
@@ -415,7 +416,7 @@ with t.running_server(engine) as url, use_mesh(mesh):
     t.check_compiles_fixed(url)
 print("OK")
 """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
 

@@ -14,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from cpu_devices import xla_flags
 from test_train import SMALL, _env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / str(STEPS))
-    eight = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    eight = dict(env, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     out = _train(resumed, eight, *MESH)
     assert "8 cpu device(s) (mesh {'data': 2, 'expert': 2, 'sequence': 2})" in out, out
     assert "resumed from" in out and "at step 2" in out, out
@@ -104,7 +105,7 @@ INIT_ON_TWO_MESHES = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_same_seed_same_initial_state_on_one_and_eight_devices(tmp_path):
-    env = dict(_env(tmp_path / "cache"), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(_env(tmp_path / "cache"), XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     proc = subprocess.run([sys.executable, "-c", INIT_ON_TWO_MESHES, *SMALL, "train.batch_size=8"], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
