@@ -37,6 +37,15 @@ from pallas_kernels.moe.gmm_gpu import tile_metadata
 # (``JAX_PLATFORMS=cuda pytest tests/test_pallas_gpu.py``; conftest defaults JAX_PLATFORMS to cpu).
 GPU = dict(backend="gpu", interpret=jax.default_backend() != "gpu")
 TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_interpreter(request):
+    """On a CPU host the interpreted kernels and their references compile without XLA's optimisation
+    passes (conftest's ``fast_xla``: these tests compare values; tolerances unchanged); on a GPU host the
+    compiled kernels keep the default settings."""
+    if GPU["interpret"]:
+        request.getfixturevalue("fast_xla")
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
