@@ -27,11 +27,12 @@ from k3jax import compile_cache  # noqa: E402
 compile_cache.enable()
 
 
-# The longest files, longest first (their summed test times in CI at 536 tests: 220, 190, 150, 145, 125,
-# 100 s). Only the order in which xdist hands out files depends on it; a stale list costs wall time,
-# never a result.
-LONGEST_FILES = ("test_parallel.py", "test_aot.py", "test_quant_qat.py", "test_train_mesh.py", "test_train.py",
-                 "test_multiprocess.py")
+# The longest files, longest first (their summed test times in a cold run of 569 tests, -n 2, on a busy
+# 2-core machine: 357, 278, 234, 234, 188, 149, 106, 104, 101, 82 s). Only the order in which xdist hands
+# out files depends on it; a stale list costs wall time, never a result.
+LONGEST_FILES = ("test_model.py", "test_aot.py", "test_optim.py", "test_quant_qat.py", "test_parallel.py",
+                 "test_serving.py", "test_breakdown.py", "test_train_mesh.py", "test_pallas_tpu_aot.py",
+                 "test_pallas_gpu.py")
 
 
 def pytest_configure(config):
