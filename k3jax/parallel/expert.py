@@ -177,6 +177,8 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     me = jax.lax.axis_index(EXPERT_AXIS)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
+    # The gathers of this module have in-range indices by construction: mode="clip" skips the default
+    # "fill" mode's out-of-range select, a pass over (and a buffer of) every gathered row.
     sent = jnp.take(z, order // k, axis=0, mode="clip")  # [n*k, L]
     counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
     all_counts = jax.lax.all_gather(counts, EXPERT_AXIS)  # [src, E]
