@@ -70,6 +70,8 @@ class TrainConfig:
     # Gradients of the matrix weights (the Muon group: projections and experts, nearly all the bytes) and
     # their micro-batch accumulator: float32, or bfloat16 (with model.dtype=bfloat16), which halves the
     # largest temporaries of a large step at bf16's 8-bit mantissa; the master weights stay in param_dtype.
+    # The Muon updates of layer-stacked weights are written back into their gradients' buffers, so with
+    # bfloat16 they are rounded to bf16 too (optim._in_place_over_layers).
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
     seq_len: int = 128
     seed: int = 0
