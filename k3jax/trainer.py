@@ -169,10 +169,12 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
     ``fresh``: delete the run directory's contents first instead of resuming. ``reschedule``: accept a
     learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
 
-    Raises :class:`~k3jax.run_lock.RunLockedError` if another process is training in the run
+    Raises :class:`~k3jax.config.ConfigError` for an invalid config (one built in code, which
+    ``load_config`` did not check), :class:`~k3jax.run_lock.RunLockedError` if another process is training in the run
     directory, :class:`~k3jax.checkpoint.CheckpointError` if its checkpoint cannot be resumed,
     :class:`ScheduleChangeError`.
     """
+    cfg.validate()  # load_config validated it; a Config built or replaced in code may not be
     out = pathlib.Path(cfg.train.out_dir)
     main_process = distributed.is_main_process()
     with contextlib.ExitStack() as lock:
@@ -249,8 +251,6 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     # no held-out split (train.data.eval_fraction = 0): no eval, and no eval step to compile
     eval_fn = make_eval_step(graphdef, cfg) if tc.data.eval_fraction > 0 else None
-    if tc.eval_every and eval_fn is None:  # load_config refuses it; a Config built in code may not
-        raise ValueError("train.eval_every needs a held-out split: train.data.eval_fraction is 0")
     moe_layers = expert_imbalance_layers(cfg.model)
 
     log = RunLog(out, step=start, enabled=main_process)
