@@ -15,7 +15,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # whole test process and, through the environment, its child processes; tests/cpu_devices.xla_flags adds
 # a child's own flags to it): the 6-layer tiny's forward + backward compiles in about half the time and
 # runs as fast; every test passes with its tolerances unchanged. Production runs keep XLA's default.
-os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), "--xla_cpu_use_fusion_emitters=false") if f)
+from cpu_devices import xla_flags  # noqa: E402 (imports no JAX)
+
+os.environ["XLA_FLAGS"] = xla_flags("--xla_cpu_use_fusion_emitters=false")
 
 import pytest
 
