@@ -564,9 +564,10 @@ def _max_logits(model, batch):
     return {i: np.asarray(v) for i, v in fwd(state, batch["tokens"], batch["segment_ids"]).items()}
 
 
-def _one_step(tau):
-    """The model after one train step with ``qk_clip_tau = tau`` (and a learning rate of 1e-6, so the
-    optimizer barely moves the weights and the clip is what changes them)."""
+@functools.cache
+def _qk_clip_step(tau):
+    """(graphdef, initial state, jitted train step, batch) of the QK_CLIP config with ``qk_clip_tau =
+    tau``: one compile per tau for the module (the capping test and the unreached-tau test share one)."""
     from k3jax.training import TrainState, make_train_step
 
     cfg = load_config("tiny", QK_CLIP + [f"train.optim.qk_clip_tau={tau}"])
@@ -574,8 +575,39 @@ def _one_step(tau):
     with nnx.use_eager_sharding(False):
         ts = TrainState(model, optim.make_optimizer(cfg.train.optim, model, cfg.train.steps))
     graphdef, state = nnx.split(ts)
-    batch = _qk_clip_batch(cfg)
-    state, metrics = make_train_step(graphdef, cfg)(state, batch)
+    return graphdef, state, make_train_step(graphdef, cfg), _qk_clip_batch(cfg)
+
+
+@functools.cache
+def _clip_tau():
+    """Half the smallest per-head max logit of the initial model on the batch: every head is clipped."""
+    cfg = load_config("tiny", QK_CLIP)
+    before = _max_logits(create_model(cfg.model, seed=0), _qk_clip_batch(cfg))
+    assert sorted(before) == [1, 3]
+    return 0.5 * min(float(v.min()) for v in before.values()), before
+
+
+def _scaled_queries(graphdef, state, scale):
+    """``state`` with every MLA query up-projection (``q_b``) of the model multiplied by ``scale``: every
+    attention logit (q . k, the RoPE part included) is multiplied by ``scale``."""
+    ts = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    if scale != 1.0:
+        scaled = 0
+        for path, var in nnx.iter_graph(ts.model):
+            if isinstance(var, nnx.Param) and path[-1] == "q_b":
+                var[...] = var[...] * scale
+                scaled += 1
+        assert scaled > 0
+    return nnx.state(ts)
+
+
+def _one_step(tau, q_scale=1.0):
+    """The model after one train step with ``qk_clip_tau = tau`` (and a learning rate of 1e-6, so the
+    optimizer barely moves the weights and the clip is what changes them), from the seed-0 model whose
+    query projections are scaled by ``q_scale``."""
+    graphdef, state, step, batch = _qk_clip_step(tau)
+    state = _scaled_queries(graphdef, state, q_scale)  # a copy: the step donates its input
+    state, metrics = step(state, batch)
     assert bool(metrics["finite"])
     return nnx.merge(graphdef, state).model, batch
 
@@ -585,10 +617,7 @@ def test_qk_clip_in_the_train_step_caps_the_max_logit():
     """K2's MuonClip: after the update, every MLA head whose max logit in the step's forward exceeded
     tau is rescaled, so the recomputed max logit is at most tau (up to the tiny update and the
     changed inputs of later layers)."""
-    cfg = load_config("tiny", QK_CLIP)
-    before = _max_logits(create_model(cfg.model, seed=0), _qk_clip_batch(cfg))
-    assert sorted(before) == [1, 3]
-    tau = 0.5 * min(float(v.min()) for v in before.values())  # every head is clipped
+    tau, _ = _clip_tau()  # every head is clipped
     model, batch = _one_step(tau)
     after = _max_logits(model, batch)
     for i, v in after.items():
@@ -598,9 +627,18 @@ def test_qk_clip_in_the_train_step_caps_the_max_logit():
 
 @pytest.mark.usefixtures("fast_xla_test")
 def test_qk_clip_off_or_never_reached_changes_nothing():
-    """tau = 0 (off: no statistic, no clip) and a tau no head reaches give the same model bit for bit."""
-    off, _ = _one_step(0.0)
-    unreached, _ = _one_step(1e6)
+    """tau = 0 (off: no statistic, no clip) and a tau no head reaches give the same model bit for bit.
+
+    The tau is the capping test's (its train step is compiled once for both tests); no head reaches it
+    because this model's query projections are scaled down so that its largest logit is a quarter of
+    tau (checked below on the model the step starts from)."""
+    tau, before = _clip_tau()
+    scale = 0.25 * tau / max(float(v.max()) for v in before.values())
+    graphdef, state, _, batch = _qk_clip_step(tau)
+    start = _max_logits(nnx.merge(graphdef, _scaled_queries(graphdef, state, scale)).model, batch)
+    assert sorted(start) == [1, 3] and max(float(v.max()) for v in start.values()) < 0.3 * tau, (start, tau)
+    off, _ = _one_step(0.0, scale)
+    unreached, _ = _one_step(tau, scale)
     for a, b in zip(jax.tree.leaves(nnx.state(off)), jax.tree.leaves(nnx.state(unreached))):
         np.testing.assert_array_equal(a, b)
 
