@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_devices import xla_flags
+from cpu_devices import subprocess_env, xla_flags
 from k3jax import create_model, generate, load_config
 from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.data.tokenizers import ByteTokenizer
@@ -432,7 +432,7 @@ def test_infer_cli_serves(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = subprocess_env()  # XLA's optimisation passes off: the server's programs compile faster
     proc = subprocess.Popen([sys.executable, str(ROOT / "infer.py"), "--serve", "--checkpoint", str(tmp_path / "ckpt"),
                              "--tokenizer", "byte", "--port", str(port), "--max-batch", "2", "--max-len", "32",
                              "--prefill-chunk", "8", "--model-name", "demo"], env=env, cwd=tmp_path,
