@@ -34,19 +34,19 @@ def compiled_forward(model):
 
 def compiled_grad(model, with_logits=False):
     """A jitted gradient of ``sum(logits * cotangent)`` w.r.t. the model's nnx.Params (``with_logits``:
-    (logits, gradient) from the one program)."""
+    (logits, gradient) from the one program), optionally on packed rows (``segment_ids``)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
-    def grad(params, tokens, cot):
+    def grad(params, tokens, cot, segment_ids=None):
         def loss(p):
-            logits = nnx.merge(graphdef, p, rest)(tokens)[0]
+            logits = nnx.merge(graphdef, p, rest)(tokens, segment_ids=segment_ids)[0]
             return jnp.sum(logits * cot), logits
 
         grads, logits = jax.grad(loss, has_aux=True)(params)
         return (logits, grads) if with_logits else grads
 
-    return lambda tokens, cot: grad(params, tokens, cot)
+    return lambda tokens, cot, segment_ids=None: grad(params, tokens, cot, segment_ids)
 
 
 def iter_layers(model):
@@ -116,11 +116,17 @@ TINY6 = ["model.num_layers=6", "model.mla_period=2"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The 13-layer tiny, compiled once, on the packed batch (the None-segment path runs in tiny6)."""
+    """The 13-layer tiny, compiled once, on the packed batch (the None-segment path runs in tiny6):
+    ``(cfg, model, fwd, logits, grads)``. One forward + backward program gives the logits and the
+    gradients (a separate forward program cost another compile of the 13 layers); ``fwd`` is that
+    program's logits, for other segment ids of the same shape (no recompile)."""
     cfg = load_config("tiny").model
     model = create_model(cfg, seed=0)
-    fwd = compiled_forward(model)
-    return cfg, model, fwd, fwd(PACK_TOK, PACK_SEG)
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal(PACK_TOK.shape + (cfg.vocab_size,)), jnp.float32)
+    grad = compiled_grad(model, with_logits=True)
+    logits, grads = grad(PACK_TOK, cot, PACK_SEG)
+    flat = {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
+    return cfg, model, lambda tokens, segment_ids: grad(tokens, cot, segment_ids)[0], logits, flat
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +142,7 @@ def tiny6():
 
 
 def test_tiny_forward_shape_and_finite(tiny):
-    cfg, model, _, logits = tiny
+    cfg, model, _, logits, _ = tiny
     assert T_PACK % cfg.kda.chunk_size != 0
     assert model.groups is not None and model.suffix  # prefix, scanned groups and suffix all run
     assert logits.shape == (3, T_PACK, cfg.vocab_size) and logits.dtype == jnp.float32
@@ -182,7 +188,8 @@ def test_tiny6_grads_finite_and_nonzero(tiny6, tiny6_grads):
 
 @pytest.mark.slow
 def test_tiny_grads_finite_and_nonzero(tiny):
-    check_grads_finite_nonzero(tiny[1], model_grads(tiny[1], TOK))
+    """The 13-layer tiny's gradients on the packed rows (the fixture's program; padding included)."""
+    check_grads_finite_nonzero(tiny[1], tiny[4])
 
 
 def _flat(tree, prefix=()):
@@ -289,7 +296,7 @@ def test_bf16_compute_close_to_fp32(tiny6):
 
 
 def test_packing_isolation_tiny(tiny):
-    _, _, fwd, logits = tiny
+    _, _, fwd, logits, _ = tiny
     check_packing(fwd, logits)
 
 
@@ -321,7 +328,7 @@ def test_single_token(tiny6):
 
 
 def test_bad_inputs_raise(tiny):
-    _, model, _, _ = tiny
+    _, model, _, _, _ = tiny
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         model(jnp.zeros((5,), jnp.int32))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
