@@ -1,6 +1,6 @@
 """Shared pieces of the CPU benchmarks (decode.py, train_step.py, serve.py): the HF Kimi Linear config
-matched to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers and
-the machine's measured float32 matmul peak.
+matched to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers, and
+the machine's measured float32 matmul peak and memory read bandwidth.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
 and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
@@ -142,3 +142,16 @@ def matmul_peak(n: int = 1024, repeats: int = 10) -> dict:
     chain(a).block_until_ready()
     best = min(timed(lambda: chain(a), lambda y: y.block_until_ready()) for _ in range(repeats))
     return {"gflop_per_s": round(4 * 2 * n ** 3 / best / 1e9, 2), "n": n, "dtype": "float32"}
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 10) -> dict:
+    """Memory read bandwidth of this machine under XLA: the best of ``repeats`` timed sums over a
+    float32 array of ``mib`` MiB (far larger than any cache, so every byte comes from memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib << 18,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = min(timed(lambda: total(x), lambda y: y.block_until_ready()) for _ in range(repeats))
+    return {"gb_per_s": round(x.nbytes / best / 1e9, 2), "mib": mib, "how": "jitted float32 sum"}

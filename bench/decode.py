@@ -7,7 +7,8 @@ Three models, timed in the same process, interleaved repeat by repeat (so that l
 processes hits all of them alike), after a warm-up call that also gives the compile time:
 
 - ``k3jax_<config>``: the k3jax config itself (K3 mechanisms: AttnRes, latent MoE, gated MLA, ...),
-  through ``k3jax.generate.generate``;
+  through ``k3jax.generate.generate``, its layers unrolled once at load (``k3jax.model.unroll_layers``,
+  as the serving engine does on CPU; ``--scanned`` decodes the scanned model as stored);
 - ``hf_kimi_linear``: ``transformers.KimiLinearForCausalLM.generate`` (greedy) on a Kimi Linear config
   of the same size (``common.hf_kimi_linear_config``: same widths, depth, layout, heads, experts),
   random weights, torch reference kernels (fla / causal_conv1d are not installed);
@@ -22,6 +23,18 @@ difference, taken within each repeat. Medians over ``--repeats`` (and the
 best repeat, the figure least disturbed by other load; ``load_average`` says how busy the machine
 was). Float32 everywhere.
 
+Roofline: a decode step must read at least the weights a step multiplies through (every weight but
+the routed experts and the embedding table; of each MoE layer's routed experts the expected number of
+distinct ones that ``B`` tokens select, ``E (1 - (1 - k/E)^B)``; ``B`` embedding rows) and its cache
+once. That many bytes at this machine's memory read bandwidth (``common.memory_bandwidth``, measured
+in the same run) is the fastest a float32 decode step can be; ``roofline`` gives it per model, the
+fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows.
+
+Host memory: the process runs with glibc keeping freed memory (``keep_host_memory``, as the serving
+engine does) for both sides; HF's batch-8 ``generate`` otherwise page-faults its large temporaries in
+on every call and swings between 9 and 25 tokens/s. ``--peer-malloc glibc`` restores glibc's defaults
+around HF's calls.
+
 Also: the decoding cache of ``k3`` at 1M context (``--cache-config``, ``--cache-context``), computed
 on abstract shapes with ``jax.eval_shape`` (nothing allocated): bytes per token, the fixed part
 (KDA states, conv tails) and bytes per sequence.
@@ -30,11 +43,13 @@ on abstract shapes with ``jax.eval_shape`` (nothing allocated): bytes per token,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import cpu_info, hf_kimi_linear_config, log, median, randomize_torch, timed, torch_param_counts
+from common import (cpu_info, hf_kimi_linear_config, log, median, memory_bandwidth, randomize_torch, timed,
+                    torch_param_counts)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -44,8 +59,9 @@ from k3jax.cache import cache_bytes, init_cache  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.generate import generate  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
-from k3jax.model import create_model, plan_layers  # noqa: E402
+from k3jax.model import create_model, plan_layers, unroll_layers  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
+from k3jax.serving.engine import keep_host_memory  # noqa: E402
 
 # First token id of the random prompts: HF's KimiLinear config reserves 0-2 (pad, bos, eos).
 FIRST_PROMPT_ID = 3
@@ -75,20 +91,24 @@ def hf_runner(model, prompt, new_tokens):
     return lambda: gen(1), lambda: gen(new_tokens + 1), lambda out: out
 
 
-def bench_batch(models: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int, vocab: int, seed: int):
+def bench_batch(models: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int, vocab: int, seed: int,
+                peer_malloc):
     prompt = np.random.default_rng(seed).integers(FIRST_PROMPT_ID, vocab, (batch, prompt_len)).astype(np.int32)
     runners = {name: (hf_runner if name.startswith("hf_") else k3jax_runner)(m, prompt, new_tokens)
                for name, m in models.items()}
     first = {}
+    host = {name: peer_malloc if name.startswith("hf_") else contextlib.nullcontext for name in runners}
     for name, (prefill, gen, block) in runners.items():
         log(f"  batch {batch}: warm-up (compile) {name}")
-        first[name] = (timed(prefill, block), timed(gen, block))
+        with host[name]():
+            first[name] = (timed(prefill, block), timed(gen, block))
     times = {name: ([], []) for name in runners}
     for r in range(repeats):
         log(f"  batch {batch}: repeat {r + 1}/{repeats}")
         for name, (prefill, gen, block) in runners.items():
-            times[name][0].append(timed(prefill, block))
-            times[name][1].append(timed(gen, block))
+            with host[name]():
+                times[name][0].append(timed(prefill, block))
+                times[name][1].append(timed(gen, block))
     out = {}
     for name, (t_pre, t_gen) in times.items():
         # decode time from the prefill and generate calls of the same repeat (adjacent in time, so
@@ -106,13 +126,51 @@ def bench_batch(models: dict, batch: int, prompt_len: int, new_tokens: int, repe
     return out, prompt
 
 
+def cache_nbytes(cfg, batch: int, length: int) -> int:
+    """Bytes of the decoding cache of model config ``cfg`` for ``batch`` rows of ``length`` tokens, from
+    abstract shapes only (nothing allocated)."""
+    plan = plan_layers(cfg)
+    return cache_bytes(jax.eval_shape(lambda: init_cache(cfg, plan, batch, length)))
+
+
+def decode_step_bytes(cfg, batch: int, context: int) -> dict:
+    """The fewest bytes a float32 decode step of ``batch`` rows at ``context`` cached tokens reads
+    (module docstring, "Roofline"): weights, and the cache once."""
+    counts = count_params(cfg)
+    m = cfg.moe
+    distinct = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)  # expected, per MoE layer
+    weights = (counts["total"] - counts["routed_experts"] - counts["embedding"]
+               + counts["routed_experts"] * distinct / m.num_experts + batch * cfg.hidden_size)
+    item = np.dtype(cfg.param_dtype).itemsize
+    return {"weights": int(weights * item), "cache": cache_nbytes(cfg, batch, context),
+            "distinct_routed_experts_per_layer": round(distinct, 2)}
+
+
+def roofline(models: dict, results: dict, prompt_len: int, new_tokens: int, bandwidth: dict) -> dict:
+    """Per batch size and k3jax model: the decode step's fewest bytes, the time they take at the
+    measured bandwidth, the fraction of it reached, and the decode ratio over HF that time allows."""
+    out = {}
+    context = prompt_len + new_tokens // 2  # the mean cached length over the decoded tokens
+    for b, r in results.items():
+        step_s = {name: b / r[name]["decode_tokens_per_s"] for name in r}  # unrounded
+        hf_step = step_s["hf_kimi_linear"]
+        row = {}
+        for name, model in models.items():
+            nbytes = decode_step_bytes(model.cfg, b, context)
+            floor_s = (nbytes["weights"] + nbytes["cache"]) / (bandwidth["gb_per_s"] * 1e9)
+            row[name] = {"bytes": nbytes, "floor_step_ms": round(floor_s * 1e3, 4),
+                         "fraction_of_floor": round(floor_s / step_s[name], 3),
+                         "largest_possible_decode_ratio_vs_hf": round(hf_step / floor_s, 2)}
+        out[f"batch_{b}"] = row
+    return out
+
+
 def cache_report(config: str, context: int) -> dict:
     """Bytes of the decoding cache of ``config`` at ``context`` tokens, from abstract shapes only."""
     cfg = load_config(config).model
-    plan = plan_layers(cfg)
 
     def nbytes(batch, length):
-        return cache_bytes(jax.eval_shape(lambda: init_cache(cfg, plan, batch, length)))
+        return cache_nbytes(cfg, batch, length)
 
     half = context // 2
     per_seq = nbytes(1, context)
@@ -144,9 +202,26 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats, median taken (default 3; 1 quick)")
     ap.add_argument("--cache-config", default="k3", help="config whose cache size is reported")
     ap.add_argument("--cache-context", type=int, default=ONE_MEBI, help="context length of the cache report")
+    ap.add_argument("--scanned", action="store_true", help="decode k3jax's models with their layers scanned, as "
+                    "stored (default: unrolled once at load)")
+    ap.add_argument("--peer-malloc", choices=("same", "glibc"), default="same",
+                    help="HF's host allocator: this process's setting (glibc keeps freed memory) or glibc's defaults")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
+    kept = keep_host_memory()
+
+    @contextlib.contextmanager
+    def peer_malloc():
+        restore = kept and args.peer_malloc == "glibc"
+        if restore:
+            keep_host_memory(False)
+        try:
+            yield
+        finally:
+            if restore:
+                keep_host_memory(True)
+
     config = args.config or ("tiny" if q else "small")
     prompt_len = args.prompt_len or (16 if q else 128)
     new_tokens = args.new_tokens or (4 if q else 64)
@@ -163,18 +238,19 @@ def main(argv=None):
 
     cfg = load_config(config).model
     log(f"decode bench: k3jax {config!r} vs HF KimiLinearForCausalLM (matched size, and identical weights)")
-    models = {f"k3jax_{config}": create_model(cfg, seed=args.seed)}
+    load = (lambda m: m) if args.scanned else unroll_layers
+    models = {f"k3jax_{config}": load(create_model(cfg, seed=args.seed))}
     hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg)).eval()
     randomize_torch(hf_model, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         hf_model.save_pretrained(tmp)
-        models["k3jax_kimi_linear"] = from_hf(tmp)
+        models["k3jax_kimi_linear"] = load(from_hf(tmp))
     models["hf_kimi_linear"] = hf_model
 
     results, parity = {}, {}
     for b in batch_sizes:
         results[b], prompt = bench_batch(models, b, prompt_len, new_tokens, repeats, cfg.vocab_size,
-                                         args.seed + b)
+                                         args.seed + b, peer_malloc)
         if not parity:
             with torch.inference_mode():
                 ref = hf_model(torch.as_tensor(prompt, dtype=torch.long)).logits.float().numpy()
@@ -182,9 +258,13 @@ def main(argv=None):
             parity = {"max_abs_logit_diff": float(np.max(np.abs(ours - ref))),
                       "max_rel_logit_diff": float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))}
 
+    log("memory bandwidth")
+    bandwidth = memory_bandwidth()
     report = {
         "bench": "decode", "quick": q, "xla_optimizations": not q, **cpu_info(),
-        "settings": {"config": config, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "host_malloc": {"keeps_freed_memory": kept, "peer": args.peer_malloc}, "memory_bandwidth": bandwidth,
+        "settings": {"config": config, "k3jax_layers": "scanned" if args.scanned else "unrolled",
+                     "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "batch_sizes": batch_sizes, "repeats": repeats, "dtype": "float32", "sampling": "greedy"},
         "params": {f"k3jax_{config}": count_params(cfg)["total"],
                    "kimi_linear (k3jax and HF, identical)": torch_param_counts(hf_model)["total"]},
@@ -194,6 +274,8 @@ def main(argv=None):
                    ratios(results, "k3jax_kimi_linear", "hf_kimi_linear"),
                    f"k3jax_{config} / hf_kimi_linear (matched size)":
                    ratios(results, f"k3jax_{config}", "hf_kimi_linear")},
+        "roofline": roofline({k: v for k, v in models.items() if not k.startswith("hf_")}, results, prompt_len,
+                             new_tokens, bandwidth),
         "cache": cache_report(args.cache_config, args.cache_context),
     }
     print(json.dumps(report, indent=1))

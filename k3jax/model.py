@@ -435,5 +435,28 @@ def abstract_model(cfg: ModelConfig) -> K3Model:
         return K3Model(cfg, rngs=nnx.Rngs(0))
 
 
+def unroll_layers(model: K3Model) -> K3Model:
+    """The same model with every layer an ordinary module (``model.scan_layers=false``): each scanned
+    group's stacked weights are split into per-layer arrays (a copy of them). Same parameters, same
+    outputs; eager or under ``jit``. Returns ``model`` itself when nothing is scanned.
+
+    Why: a scan slices each layer's weights out of the stack at every step; XLA:CPU copies every
+    slice, so a decode step on CPU copies all the weights it reads (``k3jax.generate`` unrolls there).
+    """
+    if model.groups is None:
+        return model
+    unrolled = abstract_model(dataclasses.replace(model.cfg, scan_layers=False))
+    layers, plan = unrolled.prefix, model.plan  # the unrolled model's layers are all in its prefix
+    for layer, i in [*zip(model.prefix, plan.prefix), *zip(model.suffix, plan.suffix)]:
+        nnx.update(layers[i], nnx.state(layer))
+    for slot, stacked in enumerate(model.groups.layers):
+        state = nnx.state(stacked)
+        for g, i in enumerate(plan.slot_layers(slot)):
+            nnx.update(layers[i], jax.tree.map(lambda x: x[g], state))
+    top = nnx.state(model)
+    nnx.update(unrolled, nnx.State({k: v for k, v in top.items() if k not in ("prefix", "groups", "suffix")}))
+    return unrolled
+
+
 __all__ = ["ForwardStats", "K3Model", "LayerPlan", "LayerStats", "abstract_model", "check_token_ids", "create_model",
-           "plan_layers", "segment_positions"]
+           "plan_layers", "segment_positions", "unroll_layers"]

@@ -84,3 +84,36 @@ def test_cache_too_long_raises():
         model.init_cache(1, cfg.max_seq_len + 1)
     with pytest.raises(ValueError, match="max_seq_len"):
         generate(model, np.ones((1, 4), np.int32), cfg.max_seq_len)
+
+
+def test_unroll_layers_keeps_every_layer_and_decodes_the_same():
+    """``unroll_layers``: the scanned groups' stacked weights (and other state: the router biases) are
+    split into one module per layer, each equal to its slice of the stack; the logits and the greedy
+    continuation are those of the scanned model. A model with nothing scanned comes back as is."""
+    from k3jax.layers.initializers import RouterBias
+    from k3jax.model import unroll_layers
+
+    cfg = load_config("tiny", ["model.num_layers=6", "model.mla_period=2"]).model
+    model = create_model(cfg, seed=4)
+    assert model.groups is not None and model.plan.num_groups == 2
+    rng = np.random.default_rng(0)
+    for _, var in nnx.iter_graph(model):  # non-zero biases: a dropped or misplaced one shows
+        if isinstance(var, RouterBias):
+            var.value = jnp.asarray(rng.standard_normal(var.value.shape), jnp.float32)
+    unrolled = unroll_layers(model)
+    assert unrolled.groups is None and len(unrolled.prefix) == cfg.num_layers and not unrolled.suffix
+    for i in range(cfg.num_layers):
+        (path, index) = model.plan.locate(i)
+        scanned = model
+        for name in path:
+            scanned = scanned[name] if isinstance(name, int) else getattr(scanned, name)
+        want = nnx.to_flat_state(nnx.state(scanned))
+        got = dict(nnx.to_flat_state(nnx.state(unrolled.prefix[i])))
+        assert len(want) == len(got), i
+        for p, v in want:
+            np.testing.assert_array_equal(got[p].get_raw_value(), np.asarray(v.get_raw_value())[index], err_msg=str((i, p)))
+    tok = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+    assert _rel(unrolled(tok)[0], model(tok)[0]) < 1e-5
+    np.testing.assert_array_equal(generate(unrolled, tok, 5), generate(model, tok, 5))
+    flat = create_model(load_config("tiny", SMALL).model)
+    assert flat.groups is None and unroll_layers(flat) is flat

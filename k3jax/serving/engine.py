@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
-from k3jax.model import K3Model
+from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
@@ -123,10 +123,13 @@ class _Prefill:
 
 class Engine:
     """The slot pool and its decode loop (see the module docstring). ``mesh``: the device mesh the
-    model is laid out on (None or one device: unsharded)."""
+    model is laid out on (None or one device: unsharded). ``unroll_layers``: run the model with its
+    layers unrolled (``k3jax.model.unroll_layers``: a copy of the scanned weights, a longer compile,
+    faster steps on CPU); None = on CPU when unsharded."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
-                 prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None):
+                 prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None,
+                 unroll_layers: bool | None = None):
         cfg = model.cfg
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
@@ -143,7 +146,9 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.metrics.max_slots = max_batch
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
-        self._build(model)
+        if unroll_layers is None:  # XLA:CPU copies a scanned layer's weights out of the stack at every step
+            unroll_layers = self.mesh is None and jax.default_backend() == "cpu"
+        self._build(unrolled(model) if unroll_layers else model)
         self._reset()
         self._queue: collections.deque[Sequence] = collections.deque()
         self._cond = threading.Condition()
