@@ -24,6 +24,8 @@ import argparse
 import pathlib
 import sys
 
+import k3jax  # noqa: F401 (first: it sets up host memory before jax starts threads; k3jax/host_memory.py)
+
 import jax
 import numpy as np
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import k3jax  # noqa: F401 (first: it sets up host memory before jax starts threads; k3jax/host_memory.py)
+
 import jax
 
 from k3jax import checkpoint, compile_cache, distributed

@@ -4,7 +4,9 @@ the machine's measured float32 matmul peak and memory read bandwidth.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
 and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
-measures cold compiles).
+measures cold compiles). Importing k3jax first also makes glibc keep freed memory for the whole
+process, both sides of a bench alike (``k3jax/host_memory.py``: XLA:CPU's and torch's large
+temporaries are otherwise page-faulted in afresh on every call).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from k3jax import compile_cache  # noqa: E402
+from k3jax import compile_cache  # noqa: E402 (importing k3jax makes glibc keep freed memory: k3jax/host_memory.py)
+from k3jax.host_memory import keeps_host_memory  # noqa: E402
 
 COMPILE_CACHE = compile_cache.enable()
 
@@ -119,6 +122,7 @@ def cpu_info() -> dict:
     import torch
 
     return {"cpu_cores": os.cpu_count(), "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+            "host_memory_kept": keeps_host_memory(),
             "torch_threads": torch.get_num_threads(),
             "jax_backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
             "compile_cache": str(COMPILE_CACHE) if COMPILE_CACHE else "off"}

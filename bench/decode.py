@@ -30,10 +30,10 @@ once. That many bytes at this machine's memory read bandwidth (``common.memory_b
 in the same run) is the fastest a float32 decode step can be; ``roofline`` gives it per model, the
 fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows.
 
-Host memory: the process runs with glibc keeping freed memory (``keep_host_memory``, as the serving
-engine does) for both sides; HF's batch-8 ``generate`` otherwise page-faults its large temporaries in
-on every call and swings between 9 and 25 tokens/s. ``--peer-malloc glibc`` restores glibc's defaults
-around HF's calls.
+Host memory: the process runs with glibc keeping freed memory (set by importing k3jax:
+``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
+page-faults its large temporaries in on every call and swings between 9 and 25 tokens/s.
+``--peer-malloc glibc`` restores glibc's defaults around HF's calls.
 
 Also: the decoding cache of ``k3`` at 1M context (``--cache-config``, ``--cache-context``), computed
 on abstract shapes with ``jax.eval_shape`` (nothing allocated): bytes per token, the fixed part
@@ -61,7 +61,7 @@ from k3jax.generate import generate  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model, plan_layers, unroll_layers  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.serving.engine import keep_host_memory  # noqa: E402
+from k3jax.host_memory import keep_host_memory, keeps_host_memory  # noqa: E402
 
 # First token id of the random prompts: HF's KimiLinear config reserves 0-2 (pad, bos, eos).
 FIRST_PROMPT_ID = 3
@@ -209,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
-    kept = keep_host_memory()
+    kept = keeps_host_memory()  # set by importing k3jax
 
     @contextlib.contextmanager
     def peer_malloc():

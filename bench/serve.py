@@ -19,11 +19,11 @@ continuous batching gets from the HF stack. Its "TTFT" is the time until its bat
 returns whole batches). Both sides run on the same CPU cores; the client's Python shares them with
 the server. ``load_average`` says how busy the machine was.
 
-Host memory: a serving engine on CPU makes glibc keep freed memory (``keep_host_memory``: no fresh
-``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call).
-The setting is process-wide, so by default the peer runs with it too (``host_malloc`` in the
-report). torch's large temporaries gain from it as much: with glibc's defaults HF ``generate``
-page-faults millions of times per batch and its speed swings with the machine's state (10-140
+Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/host_memory.py``: no fresh
+``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call;
+importing k3jax sets it for the whole process). The setting is process-wide, so by default the peer
+runs with it too (``host_malloc`` in the report). torch's large temporaries gain from it as much:
+with glibc's defaults HF ``generate`` page-faults millions of times per batch and its speed swings with the machine's state (10-140
 tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults
 around the peer's runs: what HF gets in a process of its own.
 """
@@ -56,7 +56,8 @@ from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402
-from k3jax.serving.engine import Engine, keep_host_memory  # noqa: E402
+from k3jax.host_memory import keep_host_memory  # noqa: E402
+from k3jax.serving.engine import Engine  # noqa: E402
 from k3jax.serving.metrics import compile_count  # noqa: E402
 
 FIRST_PROMPT_ID = 3  # HF's KimiLinear config reserves 0-2 (pad, bos, eos)

@@ -441,7 +441,7 @@ def unroll_layers(model: K3Model) -> K3Model:
     outputs; eager or under ``jit``. Returns ``model`` itself when nothing is scanned.
 
     Why: a scan slices each layer's weights out of the stack at every step; XLA:CPU copies every
-    slice, so a decode step on CPU copies all the weights it reads (``k3jax.generate`` unrolls there).
+    slice, so a decode step on CPU copies all the weights it reads (the serving engine unrolls there).
     """
     if model.groups is None:
         return model

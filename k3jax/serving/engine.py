@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import itertools
@@ -54,32 +52,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
+from k3jax.host_memory import keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
 
 log = logging.getLogger(__name__)
-
-
-def keep_host_memory(keep: bool = True) -> bool:
-    """Let glibc's ``malloc`` reuse freed memory for large blocks instead of returning it to the
-    kernel (process-wide; ``keep=False`` restores glibc's defaults; a no-op off glibc). Returns
-    whether it took effect.
-
-    XLA:CPU allocates each call's temporaries as one block (38 MB for the ``small`` config's decode
-    step at batch 32, 54 MB for a prefill chunk of 8 x 64). glibc serves blocks over 32 MB by a fresh
-    ``mmap`` and returns freed heap tops over 128 kB, so every call page-faulted its temporaries in
-    again: 9318 faults, ~20 ms of a 60 ms decode step. With ``mmap`` off (``M_MMAP_MAX = 0``) and
-    trimming off (``M_TRIM_THRESHOLD``) the heap keeps its high-water mark and the blocks are reused.
-    """
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>; glibc's defaults: 128 kB, 65536
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-        return bool(mallopt(m_mmap_max, 0 if keep else 65536)) and bool(
-            mallopt(m_trim_threshold, 2**31 - 1 if keep else 128 * 1024))
-    except (OSError, AttributeError, TypeError):  # not glibc
-        return False
 
 
 class QueueFull(RuntimeError):
@@ -154,7 +133,9 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.keeps_host_memory = False  # set by start: glibc keeps freed memory (keep_host_memory)
+        # whether glibc keeps freed memory (importing k3jax sets it: k3jax/host_memory.py), else every step
+        # page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`)
+        self.keeps_host_memory = False
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     # --- device programs ---------------------------------------------------------------------------
@@ -301,7 +282,7 @@ class Engine:
         """Start the decode loop (once; later calls do nothing)."""
         if self._thread is not None:
             return self
-        self.keeps_host_memory = jax.default_backend() == "cpu" and keep_host_memory()
+        self.keeps_host_memory = keeps_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
         self._thread.start()
@@ -313,8 +294,6 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-            if self.keeps_host_memory:  # the process may go on to other work (a test suite)
-                self.keeps_host_memory = not keep_host_memory(False)
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _run(self):
