@@ -5,15 +5,18 @@ XLA:CPU allocates each call's temporaries as one block and frees it when the cal
 defaults that block is a fresh ``mmap`` (over 32 MB) or, freed, a heap top handed back to the kernel
 (over 128 kB), and JAX's threads allocate from arenas of their own; so every call page-faults its
 temporaries in afresh: 496,000 faults per ``small`` train step (3.5 s with them gone instead of 4.4 s),
-~20 ms of a 60 ms decode step at batch 32, a fifth of the test suite's time. :func:`keep_host_memory`
-turns ``mmap`` and trimming off and puts every thread on the one main arena, so the heap keeps its
-high-water mark and each call reuses the last one's pages. The cost: freed host memory is not returned
+~20 ms of a 60 ms decode step at batch 32. :func:`keep_host_memory` turns ``mmap`` and trimming off
+and puts every thread on the one main arena, so the heap keeps its high-water mark and calls mostly
+reuse earlier calls' pages (not always: a small block left above a freed large one makes the next
+large block come from fresh memory). The cost: freed host memory is not returned
 to the system before the process ends.
 
 The arena setting only reaches threads that have not allocated yet, and ``import jax`` starts some:
 importing ``k3jax`` therefore applies it first thing (:func:`apply_default`), unless the environment
 says ``K3JAX_HOST_MEMORY=glibc``. A process that imports jax before k3jax gets the rest of the effect
-(the main arena's blocks), not all of it.
+(the main arena's blocks), not all of it. With several CPU devices (``JAX_NUM_CPU_DEVICES``, XLA's
+``--xla_force_host_platform_device_count``) the blocks still fault in afresh on every call: XLA:CPU
+allocates them otherwise there (seen, not yet understood).
 """
 
 from __future__ import annotations
