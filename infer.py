@@ -24,7 +24,7 @@ import argparse
 import pathlib
 import sys
 
-import k3jax  # noqa: F401 (first: it sets up host memory before jax starts threads; k3jax/host_memory.py)
+import k3jax  # noqa: F401 (first: with K3JAX_HOST_MEMORY=keep it sets up host memory before jax starts threads)
 
 import jax
 import numpy as np

@@ -4,8 +4,8 @@ the machine's measured float32 matmul peak and memory read bandwidth.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
 and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
-measures cold compiles). Importing k3jax first also makes glibc keep freed memory for the whole
-process, both sides of a bench alike (``k3jax/host_memory.py``: XLA:CPU's and torch's large
+measures cold compiles), and makes glibc keep freed memory for the whole process, both sides of a
+bench alike (``K3JAX_HOST_MEMORY=keep``, ``k3jax/host_memory.py``: XLA:CPU's and torch's large
 temporaries are otherwise page-faulted in afresh on every call).
 """
 
@@ -17,10 +17,13 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Both sides of every bench with glibc keeping freed memory (k3jax/host_memory.py), applied when k3jax is
+# imported below, before jax or torch start threads.
+os.environ.setdefault("K3JAX_HOST_MEMORY", "keep")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from k3jax import compile_cache  # noqa: E402 (importing k3jax makes glibc keep freed memory: k3jax/host_memory.py)
+from k3jax import compile_cache  # noqa: E402
 from k3jax.host_memory import keeps_host_memory  # noqa: E402
 
 COMPILE_CACHE = compile_cache.enable()

@@ -30,8 +30,8 @@ once. That many bytes at this machine's memory read bandwidth (``common.memory_b
 in the same run) is the fastest a float32 decode step can be; ``roofline`` gives it per model, the
 fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows.
 
-Host memory: the process runs with glibc keeping freed memory (set by importing k3jax:
-``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
+Host memory: the process runs with glibc keeping freed memory (``common`` sets
+``K3JAX_HOST_MEMORY=keep``: ``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
 page-faults its large temporaries in on every call and swings between 9 and 25 tokens/s.
 ``--peer-malloc glibc`` restores glibc's defaults around HF's calls.
 
@@ -209,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
-    kept = keeps_host_memory()  # set by importing k3jax
+    kept = keeps_host_memory()  # K3JAX_HOST_MEMORY=keep (common)
 
     @contextlib.contextmanager
     def peer_malloc():

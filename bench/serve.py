@@ -21,7 +21,7 @@ the server. ``load_average`` says how busy the machine was.
 
 Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/host_memory.py``: no fresh
 ``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call;
-importing k3jax sets it for the whole process). The setting is process-wide, so by default the peer
+``common`` sets ``K3JAX_HOST_MEMORY=keep`` for the whole process). The setting is process-wide, so by default the peer
 runs with it too (``host_malloc`` in the report). torch's large temporaries gain from it as much:
 with glibc's defaults HF ``generate`` page-faults millions of times per batch and its speed swings with the machine's state (10-140
 tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults

@@ -6,8 +6,8 @@
 Timed in the same process, interleaved step by step (so that load from other processes hits all
 of them alike), after one warm-up step; the k3jax compile is timed on its own (``lower().compile()``).
 Medians over ``--repeats``, and the best repeat (least disturbed by other load; ``load_average``
-says how busy the machine was). Both sides run with glibc keeping freed memory (importing k3jax sets it
-for the process, ``k3jax/host_memory.py``; ``host_memory_kept`` in the report): with glibc's defaults
+says how busy the machine was). Both sides run with glibc keeping freed memory (``common`` sets
+``K3JAX_HOST_MEMORY=keep``, ``k3jax/host_memory.py``; ``host_memory_kept`` in the report): with glibc's defaults
 both page-faulted their temporaries in on every step, torch's more (HF 6.7 s per step, k3jax 3.3 s).
 
 - ``k3jax_<config>``: the step ``train.py`` runs (``k3jax.training.make_train_step``: forward,

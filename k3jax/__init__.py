@@ -2,9 +2,9 @@
 
 from k3jax import host_memory as _host_memory
 
-# First, before anything imports jax (whose import starts threads): glibc keeps freed memory for reuse,
-# so XLA:CPU's per-call temporaries are not page-faulted in afresh on every call (k3jax/host_memory.py;
-# K3JAX_HOST_MEMORY=glibc opts out).
+# First, before anything imports jax (whose import starts threads): with K3JAX_HOST_MEMORY=keep, glibc
+# keeps freed memory for reuse, so XLA:CPU's per-call temporaries are not page-faulted in afresh on every
+# call (k3jax/host_memory.py).
 _host_memory.apply_default()
 
 from k3jax.config import Config, ModelConfig, load_config  # noqa: E402

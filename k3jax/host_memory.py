@@ -11,10 +11,13 @@ reuse earlier calls' pages (not always: a small block left above a freed large o
 large block come from fresh memory). The cost: freed host memory is not returned
 to the system before the process ends.
 
+It is a trade-off, so it is opt-in: XLA's compiler runs slower on it (the tiny train step's cold
+compile in ``train.py``: 83 s -> 103 s), so it pays where steps outweigh compiles (a long run of a
+larger model, a server; the benchmarks run both sides with it), not for the demo or the test suite.
 The arena setting only reaches threads that have not allocated yet, and ``import jax`` starts some:
-importing ``k3jax`` therefore applies it first thing (:func:`apply_default`), unless the environment
-says ``K3JAX_HOST_MEMORY=glibc``. A process that imports jax before k3jax gets the rest of the effect
-(the main arena's blocks), not all of it. With several CPU devices (``JAX_NUM_CPU_DEVICES``, XLA's
+``K3JAX_HOST_MEMORY=keep`` in the environment makes ``import k3jax`` apply it first thing
+(:func:`apply_default`). The serving engine sets the rest (no ``mmap``, no trimming) when it starts,
+for as long as it runs. With several CPU devices (``JAX_NUM_CPU_DEVICES``, XLA's
 ``--xla_force_host_platform_device_count``) the blocks still fault in afresh on every call: XLA:CPU
 allocates them otherwise there (seen, not yet understood).
 """
@@ -29,7 +32,7 @@ import os
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX, DEFAULT_ARENA_MAX = 128 * 1024, 65536, 0  # arena 0: 8 per core
 NO_TRIMMING = -1
-# K3JAX_HOST_MEMORY: "keep" (the default) or "glibc" (leave glibc's defaults alone)
+# K3JAX_HOST_MEMORY: "keep" (apply keep_host_memory at import) or "glibc" (the default: leave glibc alone)
 ENV_VAR, KEEP, GLIBC = "K3JAX_HOST_MEMORY", "keep", "glibc"
 
 _kept = False  # whether keep_host_memory() is in effect
@@ -51,9 +54,9 @@ def keep_host_memory(keep: bool = True) -> bool:
 
 
 def apply_default() -> bool:
-    """What ``import k3jax`` does: :func:`keep_host_memory` unless ``$K3JAX_HOST_MEMORY`` is ``glibc``.
+    """What ``import k3jax`` does: :func:`keep_host_memory` when ``$K3JAX_HOST_MEMORY`` is ``keep``.
     Returns whether glibc now keeps freed memory."""
-    choice = os.environ.get(ENV_VAR, KEEP)
+    choice = os.environ.get(ENV_VAR, GLIBC)
     if choice not in (KEEP, GLIBC):
         raise ValueError(f"${ENV_VAR} must be {KEEP!r} or {GLIBC!r}, got {choice!r}")
     return choice == KEEP and keep_host_memory()

@@ -1,5 +1,5 @@
-"""k3jax/host_memory.py: importing k3jax makes glibc keep freed memory, so jitted calls reuse the pages
-of earlier calls' temporaries instead of faulting them in afresh; ``K3JAX_HOST_MEMORY=glibc`` opts out.
+"""k3jax/host_memory.py: with ``K3JAX_HOST_MEMORY=keep``, importing k3jax makes glibc keep freed memory,
+so jitted calls reuse the pages of earlier calls' temporaries instead of faulting them in afresh.
 Each case runs in a fresh process: the setting must come before ``import jax`` starts its threads."""
 
 import json
@@ -60,6 +60,8 @@ def test_keep_false_restores_the_defaults_and_bad_choices_are_refused(monkeypatc
         assert host_memory.keep_host_memory() and host_memory.keeps_host_memory()
         assert host_memory.keep_host_memory(False) and not host_memory.keeps_host_memory()
         monkeypatch.setenv(host_memory.ENV_VAR, host_memory.GLIBC)
+        assert not host_memory.apply_default() and not host_memory.keeps_host_memory()
+        monkeypatch.delenv(host_memory.ENV_VAR)  # opt-in: glibc's defaults unless asked
         assert not host_memory.apply_default() and not host_memory.keeps_host_memory()
         monkeypatch.setenv(host_memory.ENV_VAR, "tcmalloc")
         with pytest.raises(ValueError, match="K3JAX_HOST_MEMORY"):

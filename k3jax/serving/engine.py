@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
-from k3jax.host_memory import keeps_host_memory
+from k3jax.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.sampling import sample_rows
@@ -133,9 +133,10 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        # whether glibc keeps freed memory (importing k3jax sets it: k3jax/host_memory.py), else every step
-        # page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`)
+        # whether glibc keeps freed memory (k3jax/host_memory.py), else every step page-faults its
+        # temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`)
         self.keeps_host_memory = False
+        self._sets_host_memory = False  # whether start() turned it on (and stop() turns it off)
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     # --- device programs ---------------------------------------------------------------------------
@@ -282,6 +283,8 @@ class Engine:
         """Start the decode loop (once; later calls do nothing)."""
         if self._thread is not None:
             return self
+        # glibc keeps freed memory while the engine runs, unless the process already does (k3jax/host_memory.py)
+        self._sets_host_memory = jax.default_backend() == "cpu" and not keeps_host_memory() and keep_host_memory()
         self.keeps_host_memory = keeps_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
@@ -294,6 +297,9 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+            if self._sets_host_memory:  # the process may go on to other work (a test suite)
+                self.keeps_host_memory = not keep_host_memory(False)
+                self._sets_host_memory = False
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _run(self):
