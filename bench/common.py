@@ -11,6 +11,7 @@ temporaries are otherwise page-faulted in afresh on every call).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -24,7 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from k3jax import compile_cache  # noqa: E402
-from k3jax.host_memory import keeps_host_memory  # noqa: E402
+from k3jax.host_memory import keep_host_memory, keeps_host_memory  # noqa: E402
 
 COMPILE_CACHE = compile_cache.enable()
 
@@ -118,6 +119,20 @@ def randomize_torch(model, seed: int) -> None:
             else:
                 v = 0.1 * randn
             p.copy_(v.to(p.dtype))
+
+
+@contextlib.contextmanager
+def peer_host_memory(choice: str):
+    """Around the peer's calls (``--peer-malloc``): ``same`` keeps this process's setting; ``glibc``
+    restores glibc's defaults while inside, when the process keeps freed memory (k3jax/host_memory.py)."""
+    restore = choice == "glibc" and keeps_host_memory()
+    if restore:
+        keep_host_memory(False)
+    try:
+        yield
+    finally:
+        if restore:
+            keep_host_memory(True)
 
 
 def cpu_info() -> dict:

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import tempfile
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import (cpu_info, hf_kimi_linear_config, log, median, memory_bandwidth, randomize_torch, timed,
-                    torch_param_counts)
+from common import (cpu_info, hf_kimi_linear_config, log, median, memory_bandwidth, peer_host_memory,
+                    randomize_torch, timed, torch_param_counts)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -61,7 +62,7 @@ from k3jax.generate import generate  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model, plan_layers, unroll_layers  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.host_memory import keep_host_memory, keeps_host_memory  # noqa: E402
+from k3jax.host_memory import keeps_host_memory  # noqa: E402
 
 # First token id of the random prompts: HF's KimiLinear config reserves 0-2 (pad, bos, eos).
 FIRST_PROMPT_ID = 3
@@ -168,13 +169,9 @@ def roofline(models: dict, results: dict, prompt_len: int, new_tokens: int, band
 def cache_report(config: str, context: int) -> dict:
     """Bytes of the decoding cache of ``config`` at ``context`` tokens, from abstract shapes only."""
     cfg = load_config(config).model
-
-    def nbytes(batch, length):
-        return cache_nbytes(cfg, batch, length)
-
     half = context // 2
-    per_seq = nbytes(1, context)
-    per_token = (per_seq - nbytes(1, half)) / (context - half)
+    per_seq = cache_nbytes(cfg, 1, context)
+    per_token = (per_seq - cache_nbytes(cfg, 1, half)) / (context - half)
     mla = [i for i in range(cfg.num_layers) if cfg.mixer(i) == "mla"]
     itemsize = np.dtype(cfg.dtype).itemsize
     latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
@@ -210,18 +207,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     q = args.quick
     kept = keeps_host_memory()  # K3JAX_HOST_MEMORY=keep (common)
-
-    @contextlib.contextmanager
-    def peer_malloc():
-        restore = kept and args.peer_malloc == "glibc"
-        if restore:
-            keep_host_memory(False)
-        try:
-            yield
-        finally:
-            if restore:
-                keep_host_memory(True)
-
     config = args.config or ("tiny" if q else "small")
     prompt_len = args.prompt_len or (16 if q else 128)
     new_tokens = args.new_tokens or (4 if q else 64)
@@ -250,7 +235,7 @@ def main(argv=None):
     results, parity = {}, {}
     for b in batch_sizes:
         results[b], prompt = bench_batch(models, b, prompt_len, new_tokens, repeats, cfg.vocab_size,
-                                         args.seed + b, peer_malloc)
+                                         args.seed + b, functools.partial(peer_host_memory, args.peer_malloc))
         if not parity:
             with torch.inference_mode():
                 ref = hf_model(torch.as_tensor(prompt, dtype=torch.long)).logits.float().numpy()

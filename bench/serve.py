@@ -21,10 +21,10 @@ the server. ``load_average`` says how busy the machine was.
 
 Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/host_memory.py``: no fresh
 ``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call;
-``common`` sets ``K3JAX_HOST_MEMORY=keep`` for the whole process). The setting is process-wide, so by default the peer
-runs with it too (``host_malloc`` in the report). torch's large temporaries gain from it as much:
-with glibc's defaults HF ``generate`` page-faults millions of times per batch and its speed swings with the machine's state (10-140
-tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults
+``common`` sets ``K3JAX_HOST_MEMORY=keep`` for the whole process). The setting is process-wide, so
+by default the peer runs with it too (``host_malloc`` in the report). torch's large temporaries gain
+from it as much: with glibc's defaults HF ``generate`` page-faults millions of times per batch and its
+speed swings with the machine's state (10-140 tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults
 around the peer's runs: what HF gets in a process of its own.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import json
 import os
 import socket
@@ -41,7 +41,7 @@ import threading
 import time
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import cpu_info, hf_kimi_linear_config, log, matmul_peak, randomize_torch
+from common import cpu_info, hf_kimi_linear_config, log, matmul_peak, peer_host_memory, randomize_torch
 
 # then out of the import path: bench/kernels.py would pass for the `kernels` package transformers probes for
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +56,6 @@ from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402
-from k3jax.host_memory import keep_host_memory  # noqa: E402
 from k3jax.serving.engine import Engine  # noqa: E402
 from k3jax.serving.metrics import compile_count  # noqa: E402
 
@@ -182,16 +181,7 @@ def main(argv=None):
     startup_s = time.perf_counter() - t0
     compiles = compile_count()
     kept = engine.keeps_host_memory
-
-    @contextlib.contextmanager
-    def peer_malloc():
-        if kept and args.peer_malloc == "glibc":
-            keep_host_memory(False)
-        try:
-            yield
-        finally:
-            if kept and args.peer_malloc == "glibc":
-                keep_host_memory(True)
+    peer_malloc = functools.partial(peer_host_memory, args.peer_malloc)
 
     asyncio.run(load(url, config, prompts[:2], max_tokens, 2))  # warm the HTTP path
     k3, hf = {}, {}
