@@ -28,7 +28,11 @@ the routed experts and the embedding table; of each MoE layer's routed experts t
 distinct ones that ``B`` tokens select, ``E (1 - (1 - k/E)^B)``; ``B`` embedding rows) and its cache
 once. That many bytes at this machine's memory read bandwidth (``common.memory_bandwidth``, measured
 in the same run) is the fastest a float32 decode step can be; ``roofline`` gives it per model, the
-fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows.
+fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows. A step's
+matrix-vector products depend on each other, though, and a chain of them reads each small weight
+matrix at a fraction of the streaming bandwidth (``common.matvec_bandwidth`` at the model's hidden
+size, measured in the same run; numpy and torch read at the same rate); ``at_matvec_bandwidth`` is the
+same floor at that rate, the one a batch-1 step can approach without reading several weights at once.
 
 Host memory: the process runs with glibc keeping freed memory (``common`` sets
 ``K3JAX_HOST_MEMORY=keep``: ``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
@@ -49,7 +53,7 @@ import json
 import tempfile
 
 # common first: it pins JAX to the CPU before jax is imported
-from common import (cpu_info, hf_kimi_linear_config, log, median, memory_bandwidth, peer_host_memory,
+from common import (cpu_info, hf_kimi_linear_config, log, matvec_bandwidth, median, memory_bandwidth, peer_host_memory,
                     randomize_torch, timed, torch_param_counts)
 
 import jax  # noqa: E402
@@ -147,9 +151,11 @@ def decode_step_bytes(cfg, batch: int, context: int) -> dict:
             "distinct_routed_experts_per_layer": round(distinct, 2)}
 
 
-def roofline(models: dict, results: dict, prompt_len: int, new_tokens: int, bandwidth: dict) -> dict:
+def roofline(models: dict, results: dict, prompt_len: int, new_tokens: int, bandwidth: dict,
+             matvec: dict) -> dict:
     """Per batch size and k3jax model: the decode step's fewest bytes, the time they take at the
-    measured bandwidth, the fraction of it reached, and the decode ratio over HF that time allows."""
+    measured streaming bandwidth, the fraction of it reached, and the decode ratio over HF that time
+    allows; ``at_matvec_bandwidth``: the same at a chain of matrix-vector products' bandwidth."""
     out = {}
     context = prompt_len + new_tokens // 2  # the mean cached length over the decoded tokens
     for b, r in results.items():
@@ -158,10 +164,13 @@ def roofline(models: dict, results: dict, prompt_len: int, new_tokens: int, band
         row = {}
         for name, model in models.items():
             nbytes = decode_step_bytes(model.cfg, b, context)
-            floor_s = (nbytes["weights"] + nbytes["cache"]) / (bandwidth["gb_per_s"] * 1e9)
-            row[name] = {"bytes": nbytes, "floor_step_ms": round(floor_s * 1e3, 4),
-                         "fraction_of_floor": round(floor_s / step_s[name], 3),
-                         "largest_possible_decode_ratio_vs_hf": round(hf_step / floor_s, 2)}
+            def floor(gb_per_s):
+                floor_s = (nbytes["weights"] + nbytes["cache"]) / (gb_per_s * 1e9)
+                return {"floor_step_ms": round(floor_s * 1e3, 4), "fraction_of_floor": round(floor_s / step_s[name], 3),
+                        "largest_possible_decode_ratio_vs_hf": round(hf_step / floor_s, 2)}
+
+            row[name] = {"bytes": nbytes, **floor(bandwidth["gb_per_s"]),
+                         "at_matvec_bandwidth": floor(matvec["gb_per_s"])}
         out[f"batch_{b}"] = row
     return out
 
@@ -245,9 +254,11 @@ def main(argv=None):
 
     log("memory bandwidth")
     bandwidth = memory_bandwidth()
+    matvec = matvec_bandwidth(cfg.hidden_size)
     report = {
         "bench": "decode", "quick": q, "xla_optimizations": not q, **cpu_info(),
         "host_malloc": {"keeps_freed_memory": kept, "peer": args.peer_malloc}, "memory_bandwidth": bandwidth,
+        "matvec_bandwidth": matvec,
         "settings": {"config": config, "k3jax_layers": "scanned" if args.scanned else "unrolled",
                      "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "batch_sizes": batch_sizes, "repeats": repeats, "dtype": "float32", "sampling": "greedy"},
@@ -260,7 +271,7 @@ def main(argv=None):
                    f"k3jax_{config} / hf_kimi_linear (matched size)":
                    ratios(results, f"k3jax_{config}", "hf_kimi_linear")},
         "roofline": roofline({k: v for k, v in models.items() if not k.startswith("hf_")}, results, prompt_len,
-                             new_tokens, bandwidth),
+                             new_tokens, bandwidth, matvec),
         "cache": cache_report(args.cache_config, args.cache_context),
     }
     print(json.dumps(report, indent=1))
