@@ -43,6 +43,12 @@ def test_decode_bench_quick():
         assert res["prefill_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0
     assert set(r["ratios"]) == {"k3jax_kimi_linear / hf_kimi_linear (identical weights)",
                                 "k3jax_tiny / hf_kimi_linear (matched size)"}
+    # the roofline at both bandwidths: the same bytes over each measured rate
+    roof, matvec = r["roofline"]["batch_1"]["k3jax_tiny"], r["matvec_bandwidth"]
+    assert matvec["size"] == 64 and matvec["gb_per_s"] > 0  # tiny's hidden size
+    nbytes = roof["bytes"]["weights"] + roof["bytes"]["cache"]
+    for floor, rate in ((roof, r["memory_bandwidth"]), (roof["at_matvec_bandwidth"], matvec)):
+        assert floor["floor_step_ms"] == pytest.approx(nbytes / (rate["gb_per_s"] * 1e9) * 1e3, rel=1e-3)
     cache = r["cache"]
     # K3: 24 MLA layers x (512 latent + 64 rope) bf16 values per token + the 1-byte valid flag
     assert cache["bytes_per_token"] == 24 * 576 * 2 + 1
