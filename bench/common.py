@@ -172,7 +172,7 @@ def matvec_bandwidth(size: int, mib: int = 128, repeats: int = 5, max_products: 
     ``mib`` MiB in all (far larger than any cache; at most ``max_products`` of them, which bounds the
     compile: a small ``size`` gives less), the best of ``repeats`` timed chains. Each product
     waits for the one before, so a new small matrix is fetched from memory at a time: on the 2-core
-    EPYC this ran at ~11 GB/s against ~40 GB/s for one large streaming sum (``memory_bandwidth``)."""
+    EPYC this ran at 11-13 GB/s against 33-40 GB/s for one large streaming sum (``memory_bandwidth``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

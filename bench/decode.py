@@ -31,8 +31,9 @@ in the same run) is the fastest a float32 decode step can be; ``roofline`` gives
 fraction of it each k3jax model reaches, and the largest decode ratio over HF it allows. A step's
 matrix-vector products depend on each other, though, and a chain of them reads each small weight
 matrix at a fraction of the streaming bandwidth (``common.matvec_bandwidth`` at the model's hidden
-size, measured in the same run; numpy and torch read at the same rate); ``at_matvec_bandwidth`` is the
-same floor at that rate, the one a batch-1 step can approach without reading several weights at once.
+size, measured in the same run; numpy and torch are no faster); ``at_matvec_bandwidth`` is the same
+bytes at that rate. It is a reference, not a strict floor: the products of a step that do not depend on
+each other overlap, and the ``small`` batch-1 step beats it slightly.
 
 Host memory: the process runs with glibc keeping freed memory (``common`` sets
 ``K3JAX_HOST_MEMORY=keep``: ``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
