@@ -30,12 +30,12 @@ from k3jax import compile_cache  # noqa: E402
 compile_cache.enable()
 
 
-# The longest files, longest first (their summed test times in a cold run of 569 tests, -n 2, on a busy
-# 2-core machine: 357, 278, 234, 234, 188, 149, 104, 101, 82 s; test_breakdown, once 106 s, compiles its
-# two train steps without XLA:CPU's LLVM optimisations now and left the list). Only the order in which
-# xdist hands out files depends on it; a stale list costs wall time, never a result.
-LONGEST_FILES = ("test_model.py", "test_aot.py", "test_quant_qat.py", "test_optim.py", "test_parallel.py",
-                 "test_serving.py", "test_train_mesh.py", "test_pallas_tpu_aot.py", "test_pallas_gpu.py")
+# The longest files, longest first (their summed test times in a cold run of 572 tests, -n 2, on an idle
+# 2-core machine: 172, 127, 121, 117, 99, 84, 65, 63, 57, 55, 52 s; the rest take 41 s or less). Only
+# the order in which xdist hands out files depends on it; a stale list costs wall time, never a result.
+LONGEST_FILES = ("test_model.py", "test_aot.py", "test_optim.py", "test_quant_qat.py", "test_serving.py",
+                 "test_parallel.py", "test_multiprocess.py", "test_decode.py", "test_pallas_tpu_aot.py",
+                 "test_kda.py", "test_train_mesh.py")
 
 
 def pytest_configure(config):
