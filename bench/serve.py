@@ -24,8 +24,9 @@ Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/host
 ``common`` sets ``K3JAX_HOST_MEMORY=keep`` for the whole process). The setting is process-wide, so
 by default the peer runs with it too (``host_malloc`` in the report). torch's large temporaries gain
 from it as much: with glibc's defaults HF ``generate`` page-faults millions of times per batch and its
-speed swings with the machine's state (10-140 tokens/s at concurrency 32 in back-to-back runs). ``--peer-malloc glibc`` restores glibc's defaults
-around the peer's runs: what HF gets in a process of its own.
+speed swings with the machine's state (10-140 tokens/s at concurrency 32 in back-to-back runs).
+``--peer-malloc glibc`` restores glibc's defaults around the peer's runs: what HF gets in a process of
+its own.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch  # noqa: E402
 
 from k3jax.config import load_config  # noqa: E402
 from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
+from k3jax.host_memory import keeps_host_memory  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402
@@ -180,7 +182,7 @@ def main(argv=None):
     server, thread, url = start_server(engine, config)  # compiles every program (Engine.warmup)
     startup_s = time.perf_counter() - t0
     compiles = compile_count()
-    kept = engine.keeps_host_memory
+    kept = keeps_host_memory()  # K3JAX_HOST_MEMORY=keep (common), or the engine while it runs
     peer_malloc = functools.partial(peer_host_memory, args.peer_malloc)
 
     asyncio.run(load(url, config, prompts[:2], max_tokens, 2))  # warm the HTTP path

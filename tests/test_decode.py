@@ -111,7 +111,8 @@ def test_unroll_layers_keeps_every_layer_and_decodes_the_same():
         got = dict(nnx.to_flat_state(nnx.state(unrolled.prefix[i])))
         assert len(want) == len(got), i
         for p, v in want:
-            np.testing.assert_array_equal(got[p].get_raw_value(), np.asarray(v.get_raw_value())[index], err_msg=str((i, p)))
+            np.testing.assert_array_equal(got[p].get_raw_value(), np.asarray(v.get_raw_value())[index],
+                                          err_msg=str((i, p)))
     tok = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
 
     def logits(m):  # jitted: run eagerly, the unrolled model's ops cost more than its compile

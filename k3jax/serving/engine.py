@@ -133,10 +133,9 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        # whether glibc keeps freed memory (k3jax/host_memory.py), else every step page-faults its
-        # temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`)
-        self.keeps_host_memory = False
-        self._sets_host_memory = False  # whether start() turned it on (and stop() turns it off)
+        # Whether start() made glibc keep freed memory (k3jax/host_memory.py; stop() undoes it), else every
+        # step page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`).
+        self._sets_host_memory = False
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     # --- device programs ---------------------------------------------------------------------------
@@ -285,7 +284,6 @@ class Engine:
             return self
         # glibc keeps freed memory while the engine runs, unless the process already does (k3jax/host_memory.py)
         self._sets_host_memory = jax.default_backend() == "cpu" and not keeps_host_memory() and keep_host_memory()
-        self.keeps_host_memory = keeps_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
         self._thread.start()
@@ -298,7 +296,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             if self._sets_host_memory:  # the process may go on to other work (a test suite)
-                self.keeps_host_memory = not keep_host_memory(False)
+                keep_host_memory(False)
                 self._sets_host_memory = False
 
     # --- the engine thread ---------------------------------------------------------------------------
