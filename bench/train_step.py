@@ -12,6 +12,8 @@ both page-faulted their temporaries in on every step, torch's more (HF 6.7 s per
 
 - ``k3jax_<config>``: the step ``train.py`` runs (``k3jax.training.make_train_step``: forward,
   backward, per-head Muon + AdamW, Quantile Balancing, NaN guard) on the config itself;
+- ``k3jax_<config>_adamw`` (unless ``--no-adamw``): the same step with ``train.optim.optimizer=adamw``
+  (AdamW for every parameter, as HF's side): the ratio with the optimizers matched;
 - ``hf_kimi_linear``: ``transformers.KimiLinearForCausalLM`` forward with labels, ``backward()``,
   ``torch.optim.AdamW.step()``, on a Kimi Linear config of the same size (``common.hf_kimi_linear_config``:
   same widths, depth, layer layout, heads, experts; routed-expert and shared-expert parameters and
@@ -148,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="timed steps, median taken (default 3; 1 quick)")
     ap.add_argument("--no-same-weights", action="store_true",
                     help="skip k3jax's step on the HF model's architecture and weights (saves a compile)")
+    ap.add_argument("--no-adamw", action="store_true",
+                    help="skip k3jax's step with AdamW for every parameter (saves a compile)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
@@ -174,6 +178,11 @@ def main(argv=None):
     log(f"train-step bench: k3jax {name!r} vs HF KimiLinearForCausalLM, {batch_size} x {seq_len} tokens/step")
     log(f"  k3jax_{name}")
     steps[f"k3jax_{name}"] = K3jaxStep(cfg, create_model(cfg.model, seed=args.seed), batch)
+    if not args.no_adamw:
+        log(f"  k3jax_{name}_adamw (AdamW for every parameter, as HF's side)")
+        adamw = load_config(name, [f"train.batch_size={batch_size}", f"train.seq_len={seq_len}",
+                                   "train.optim.optimizer=adamw"])
+        steps[f"k3jax_{name}_adamw"] = K3jaxStep(adamw, create_model(adamw.model, seed=args.seed), batch)
     if not args.no_same_weights:
         log("  k3jax_kimi_linear (the HF model's weights)")
         with tempfile.TemporaryDirectory() as tmp:
@@ -203,6 +212,8 @@ def main(argv=None):
              "hf_kimi_linear": model_flops_per_step(cfg.model, hf_params["active"], batch_size, seq_len)}
     if "k3jax_kimi_linear" in results:
         flops["k3jax_kimi_linear"] = flops["hf_kimi_linear"]
+    if f"k3jax_{name}_adamw" in results:
+        flops[f"k3jax_{name}_adamw"] = flops[f"k3jax_{name}"]
     peak["gflop_per_s_at_end"] = matmul_peak()["gflop_per_s"]  # load may change during the run
     for key, res in results.items():
         gflops = flops[key] / res["step_s"] / 1e9
@@ -226,6 +237,7 @@ def main(argv=None):
         "ratios": {},
     }
     pairs = {f"k3jax_{name} / hf_kimi_linear (matched size)": f"k3jax_{name}",
+             f"k3jax_{name}_adamw / hf_kimi_linear (matched size, both AdamW)": f"k3jax_{name}_adamw",
              "k3jax_kimi_linear / hf_kimi_linear (identical weights)": "k3jax_kimi_linear"}
     for label, key in pairs.items():
         if key in results:

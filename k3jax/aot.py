@@ -269,7 +269,10 @@ def newton_schulz_flops(cfg: Config) -> float:
 
     Per Muon block with short side ``r`` and long side ``o``, each step forms ``X X^T`` and
     ``(b G + c G^2) X``: ``4 r^2 o + 2 r^3`` FLOPs. The blocks are the per-head / per-expert
-    matrices of ``k3jax.optim`` (every batch axis, ``layers`` included, multiplies the count)."""
+    matrices of ``k3jax.optim`` (every batch axis, ``layers`` included, multiplies the count); none
+    with ``train.optim.optimizer=adamw``."""
+    if cfg.train.optim.optimizer != "muon":
+        return 0.0
     model = abstract_model(cfg.model)
     shapes = {normalize_path(p): v.get_raw_value().shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     total = 0.0

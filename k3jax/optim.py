@@ -446,7 +446,9 @@ def cast_muon_group(params, dtype) -> Any:
 
 def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientTransformation:
     """``clip_by_global_norm -> partition(muon: per-head Muon, adamw: AdamW)`` for ``model``'s
-    ``nnx.Param`` tree (a module, or an ``nnx.State`` of its Params). See the module docstring."""
+    ``nnx.Param`` tree (a module, or an ``nnx.State`` of its Params). See the module docstring.
+    ``cfg.optimizer == "adamw"``: ``clip_by_global_norm -> AdamW`` on every parameter, with the same
+    weight-decay mask (the matrices decay, as under Muon)."""
     table = group_table(model, per_head=cfg.per_head_muon)
     labels_t = {p: g for p, (g, _, _) in table.items()}
     dims_t = {p: dn for p, (_, dn, _) in table.items()}
@@ -482,7 +484,7 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     adam_tx = optax.adamw(adam_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                           weight_decay=cfg.weight_decay, mask=adam_decay_mask)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.partition({MUON: muon_tx, ADAMW: adam_tx}, labels))
+    parts.append(adam_tx if cfg.optimizer == ADAMW else optax.partition({MUON: muon_tx, ADAMW: adam_tx}, labels))
     return optax.chain(*parts)
 
 

@@ -60,10 +60,11 @@ def test_decode_bench_quick():
 @run_benches
 def test_train_step_bench_quick():
     r = _run("train_step.py", "--no-same-weights")
-    for name in ("k3jax_tiny", "hf_kimi_linear"):
+    for name in ("k3jax_tiny", "k3jax_tiny_adamw", "hf_kimi_linear"):
         res = r["results"][name]
         assert res["tokens_per_s"] > 0 and np.isfinite(res["last_loss"])
     assert r["ratios"]["k3jax_tiny / hf_kimi_linear (matched size)"]["median"] > 0
+    assert r["ratios"]["k3jax_tiny_adamw / hf_kimi_linear (matched size, both AdamW)"]["median"] > 0
 
 
 @pytest.mark.parametrize("config", ["tiny", "small"])

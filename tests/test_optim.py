@@ -297,6 +297,43 @@ def test_adamw_params_get_adam_updates(toy_updates):
         np.testing.assert_allclose(np.abs(toy_updates[0][name]), 1.0, rtol=1e-3)
 
 
+def test_adamw_only_optimizer_gives_every_parameter_adams_first_step():
+    """``optimizer=adamw``: every parameter, the matrices and experts included, takes AdamW's first step,
+    ``-lr * (g / (|g| + eps) + wd * W)``, with weight decay where Muon would decay; no Muon state."""
+    model = Toy()
+    lr, wd, eps = 0.5, 0.1, 1e-8
+    cfg = _cfg(optimizer="adamw", adam_learning_rate=lr, weight_decay=wd, adam_eps=eps)
+    tx = optim.make_optimizer(cfg, model, total_steps=10)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    grads = _scaled_grads(model, [1.0, 3.0, 0.1, 2.0], [1.0, 5.0, 0.2, 1.0])
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    decayed = {path[-1] for path, (_, _, decay) in optim.group_table(model).items() if decay}
+    assert decayed == {"embed", "q_proj", "o_proj", "w_up"}
+    for name, g in grads.items():
+        want = -lr * (g / (np.abs(g) + eps) + (wd * np.asarray(params[name]) if name in decayed else 0.0))
+        np.testing.assert_allclose(updates[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert not any(isinstance(x, optim.GroupedMuonState)
+                   for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optim.GroupedMuonState)))
+    # The default differs exactly on the Muon group (same settings otherwise).
+    muon_tx = optim.make_optimizer(dataclasses.replace(cfg, optimizer="muon"), model, total_steps=10)
+    muon, _ = jax.jit(muon_tx.update)(grads, muon_tx.init(params), params)
+    for name in grads:
+        same = np.allclose(muon[name], updates[name], rtol=1e-5, atol=1e-7)
+        assert same == (name in ("embed", "norm_weight")), name
+
+
+def test_adamw_only_optimizer_has_no_newton_schulz_flops():
+    from k3jax import aot
+
+    cfg = load_config("tiny")
+    assert aot.newton_schulz_flops(cfg) > 0
+    assert aot.newton_schulz_flops(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, optim=dataclasses.replace(cfg.train.optim, optimizer="adamw")))) == 0
+    with pytest.raises(Exception, match="optimizer"):
+        load_config("tiny", ["train.optim.optimizer=sgd"])
+
+
 def test_dimension_numbers_with_and_without_heads():
     model = Toy()
     dn = optim.muon_dimension_numbers(model)

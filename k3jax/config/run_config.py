@@ -13,6 +13,10 @@ from k3jax.config.model_config import ModelConfig
 class OptimConfig:
     """Per-head Muon for matrices + AdamW for the rest (the table in k3jax/optim.py), schedule and clipping."""
 
+    # muon: the above. adamw: AdamW for every parameter (the usual baseline, and what HF's trainer runs),
+    # the matrices keeping their weight decay, at adam_learning_rate; Muon's own settings below
+    # (learning_rate aside, when adam_learning_rate is set) then play no part.
+    optimizer: Literal["muon", "adamw"] = "muon"
     learning_rate: float = 3e-3  # Muon peak LR (the 0.2*sqrt(max(rows, cols)) scale matches AdamW RMS)
     adam_learning_rate: float | None = None  # None: same as learning_rate
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
