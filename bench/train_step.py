@@ -4,7 +4,9 @@
     python bench/train_step.py --quick   # smoke run: `tiny`, 2 x 32 tokens, XLA optimisations off
 
 Timed in the same process, interleaved step by step (so that load from other processes hits all
-of them alike), after one warm-up step; the k3jax compile is timed on its own (``lower().compile()``).
+of them alike), after ``--warmup`` interleaved warm-up rounds (3: the first steps of the Muon step
+still grow the process's heap, 2-5 s against a steady 2.4-2.7 s); the k3jax compile is timed on its
+own (``lower().compile()``).
 Medians over ``--repeats``, and the best repeat (least disturbed by other load; ``load_average``
 says how busy the machine was). Both sides run with glibc keeping freed memory (``common`` sets
 ``K3JAX_HOST_MEMORY=keep``, ``k3jax/host_memory.py``; ``host_memory_kept`` in the report): with glibc's defaults
@@ -148,6 +150,7 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default 4; 2 with --quick)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 256; 32 with --quick)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps, median taken (default 3; 1 quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds of steps first (default 3; 1 quick)")
     ap.add_argument("--no-same-weights", action="store_true",
                     help="skip k3jax's step on the HF model's architecture and weights (saves a compile)")
     ap.add_argument("--no-adamw", action="store_true",
@@ -158,6 +161,7 @@ def main(argv=None):
     name = args.config or ("tiny" if q else "small")
     batch_size, seq_len = args.batch_size or (2 if q else 4), args.seq_len or (32 if q else 256)
     repeats = args.repeats or (1 if q else 3)
+    warmup = args.warmup or (1 if q else 3)
     if q:
         # A smoke run checks that the bench works; XLA:CPU's optimisation passes would dominate it.
         jax.config.update("jax_disable_most_optimizations", True)
@@ -191,9 +195,11 @@ def main(argv=None):
         steps["k3jax_kimi_linear"] = K3jaxStep(dataclasses.replace(cfg, model=kl.cfg), kl, batch)
     steps["hf_kimi_linear"] = HFStep(hf_model, batch)
 
-    for key, s in steps.items():
-        log(f"  warm-up step: {key}")
-        s.first_s = timed(s, s.block)
+    for w in range(warmup):
+        log(f"  warm-up round {w + 1}/{warmup}")
+        for key, s in steps.items():
+            t = timed(s, s.block)
+            s.first_s = t if w == 0 else s.first_s
     times = {key: [] for key in steps}
     for r in range(repeats):
         log(f"  repeat {r + 1}/{repeats}")
@@ -223,7 +229,7 @@ def main(argv=None):
     report = {
         "bench": "train_step", "quick": q, "xla_optimizations": not q, **cpu_info(),
         "settings": {"config": name, "batch_size": batch_size, "seq_len": seq_len, "tokens_per_step": tokens,
-                     "repeats": repeats, "dtype": "float32",
+                     "repeats": repeats, "warmup_rounds": warmup, "dtype": "float32",
                      "k3jax_optimizer": "per-head Muon + AdamW (config), Quantile Balancing",
                      "hf_optimizer": f"torch AdamW lr={HF_LEARNING_RATE} wd={HF_WEIGHT_DECAY}"},
         "params": {f"k3jax_{name}": {"total": k3_params["total"], "active": k3_params["active"]},
