@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from k3jax import newton_schulz, optim
-from k3jax.config import OptimConfig, load_config
+from k3jax.config import ConfigError, OptimConfig, load_config
 from k3jax.model import abstract_model, create_model
 
 from cpu_devices import run_on_cpu_devices
@@ -330,7 +330,7 @@ def test_adamw_only_optimizer_has_no_newton_schulz_flops():
     assert aot.newton_schulz_flops(cfg) > 0
     assert aot.newton_schulz_flops(dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, optim=dataclasses.replace(cfg.train.optim, optimizer="adamw")))) == 0
-    with pytest.raises(Exception, match="optimizer"):
+    with pytest.raises(ConfigError, match="optimizer"):
         load_config("tiny", ["train.optim.optimizer=sgd"])
 
 
