@@ -171,7 +171,8 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(args.seed)
 
-    cfg = load_config(name, [f"train.batch_size={batch_size}", f"train.seq_len={seq_len}"])
+    shape = [f"train.batch_size={batch_size}", f"train.seq_len={seq_len}"]
+    cfg = load_config(name, shape)
     batch = synthetic_batch(np.random.default_rng(args.seed), batch_size, seq_len, cfg.model.vocab_size)
     hf_model = KimiLinearForCausalLM(hf_kimi_linear_config(cfg.model))
     randomize_torch(hf_model, args.seed)
@@ -184,8 +185,7 @@ def main(argv=None):
     steps[f"k3jax_{name}"] = K3jaxStep(cfg, create_model(cfg.model, seed=args.seed), batch)
     if not args.no_adamw:
         log(f"  k3jax_{name}_adamw (AdamW for every parameter, as HF's side)")
-        adamw = load_config(name, [f"train.batch_size={batch_size}", f"train.seq_len={seq_len}",
-                                   "train.optim.optimizer=adamw"])
+        adamw = load_config(name, [*shape, "train.optim.optimizer=adamw"])
         steps[f"k3jax_{name}_adamw"] = K3jaxStep(adamw, create_model(adamw.model, seed=args.seed), batch)
     if not args.no_same_weights:
         log("  k3jax_kimi_linear (the HF model's weights)")
@@ -199,7 +199,8 @@ def main(argv=None):
         log(f"  warm-up round {w + 1}/{warmup}")
         for key, s in steps.items():
             t = timed(s, s.block)
-            s.first_s = t if w == 0 else s.first_s
+            if w == 0:
+                s.first_s = t
     times = {key: [] for key in steps}
     for r in range(repeats):
         log(f"  repeat {r + 1}/{repeats}")
