@@ -164,10 +164,15 @@ BAD_INPUTS = [  # (path, body, field named in the error or None)
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": [1, 256]}, "prompt"),  # token id out of range
     ("/v1/completions", {"prompt": [-1, 3]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),  # a batch of prompts
+    ("/v1/completions", {"prompt": [[1, 2], [3, 256]]}, "prompt"),  # a batch of prompts, one out of range
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, "n"),  # more sequences than rows + queue
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 needs echo
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),  # missing
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
@@ -175,6 +180,9 @@ BAD_INPUTS = [  # (path, body, field named in the error or None)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 100}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
 ]
 
 

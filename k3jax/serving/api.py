@@ -3,14 +3,22 @@
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events),
 ``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Sampling fields: ``max_tokens``
 (chat: also ``max_completion_tokens``; default: the rest of the context), ``temperature`` (default
-1, 0 = greedy), ``top_p``, ``stop`` (strings), ``seed``, ``n`` (1 only). Extension (as in vLLM):
-``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to each choice.
+1, 0 = greedy), ``top_p``, ``stop`` (strings), ``seed`` (choice j of a request draws with ``seed +
+j``), ``n``. Completions take a list of prompts (texts or token-id lists): choice ``i * n + j`` is
+sample j of prompt i.
+
+Log-probabilities (``k3jax.serving.logprobs``: the model's, before temperature and top-p;
+``k3jax.serving.logprob_fields`` for the fields): completions ``logprobs: k`` (0-20) and ``echo``
+(the prompt's text and tokens first; with ``max_tokens: 0`` the request only scores its prompt);
+chat ``logprobs: true`` and ``top_logprobs: k``. Streamed too, each chunk with its tokens' entries.
+Extension (as in vLLM): ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
+each choice.
 
 Bad input (malformed JSON, a field of the wrong type, values out of range, a prompt that does not
 fit in the context, token ids outside the vocabulary) is answered with HTTP 400 and OpenAI's error
 body ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``; a full
 queue with 503 and ``Retry-After``. A client that goes away (mid-stream or while waiting) cancels
-its request, which frees its cache row before the next decode step.
+its request, which frees its cache rows before the next decode step.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
+from k3jax.serving.logprob_fields import CompletionLogprobs, chat_content
+from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
 from k3jax.serving.text import TextStream, chat_prompt
 
 RETRY_AFTER_S = 1
 # Accepted for compatibility only at their neutral value.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools", "functions",
-                "presence_penalty", "frequency_penalty")
+_UNSUPPORTED = ("best_of", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
 
 
 class _Strict(BaseModel):
@@ -61,6 +70,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
 
 
 class TextPart(_Strict):
@@ -76,6 +87,8 @@ class Message(_Strict):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class BadRequest(Exception):
@@ -115,8 +128,8 @@ async def _cancel_on_disconnect(receive, cancel) -> None:
 
 
 class _EngineStream(StreamingResponse):
-    """An SSE response that cancels its request when it ends for any reason: the client going away
-    while the request waits for its first token (seen by ``receive``) or mid-stream (a failed send)."""
+    """An SSE response that cancels its requests when it ends for any reason: the client going away
+    while the requests wait for their first token (seen by ``receive``) or mid-stream (a failed send)."""
 
     def __init__(self, content, cancel, **kwargs):
         super().__init__(content, **kwargs)
@@ -134,16 +147,30 @@ class _EngineStream(StreamingResponse):
 
 
 class _Channel:
-    """Engine-thread callbacks -> an asyncio queue of ("token", id) / ("finish", reason)."""
+    """Engine-thread callbacks of a request's sequences -> one asyncio queue of (choice index, "token",
+    (id, TokenLogprobs or None)) / (choice index, "finish", reason)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
 
-    def on_token(self, token: int):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("token", token))
+    def callbacks(self, index: int):
+        def on_token(token: int, logprobs: TokenLogprobs | None):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, "token", (token, logprobs)))
 
-    def on_finish(self, reason: str):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("finish", reason))
+        def on_finish(reason: str):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, "finish", reason))
+        return on_token, on_finish
+
+
+class _Choice:
+    """One sequence of a request: its engine request, its text so far and its tokens' log-probabilities."""
+
+    def __init__(self, index: int, seq: Sequence, text: TextStream, logprobs: CompletionLogprobs | None):
+        self.index, self.seq, self.text, self.logprobs = index, seq, text, logprobs
+        self.ids: list[int] = []  # generated ids handed out (no stop token)
+        self.entries: list[TokenLogprobs] = []
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
 
 
 def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
@@ -179,62 +206,86 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     async def chat_completions(request: Request):
         return await _handle(request, chat=True)
 
-    def prepare(req: CompletionRequest | ChatRequest, chat: bool) -> tuple[list[int], SamplingParams, list[str]]:
-        """Prompt ids, sampling parameters and stop strings of a validated request (BadRequest)."""
+    def prompt_ids(req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
+        """The request's prompts as token ids (chat: one)."""
+        if chat:
+            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
+                         else "".join(p.text for p in m.content)} for m in req.messages]
+            try:
+                return [chat_prompt(tokenizer, [{**m, "content": m["content"] or ""} for m in messages])]
+            except Exception as e:  # a template that rejects the conversation (e.g. role order)
+                raise BadRequest(f"cannot render the chat template: {e}", "messages") from None
+        prompt = req.prompt
+        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        out = []
+        for p in prompt if many else [prompt]:
+            ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+            bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})", "prompt")
+            out.append(ids)
+        return out
+
+    def prepare(req: CompletionRequest | ChatRequest, chat: bool):
+        """(prompts as ids, sampling parameters of each prompt's choices, stop strings) of a validated
+        request (BadRequest)."""
         fields = req.model_extra or {}
         for name in _UNSUPPORTED:
             if fields.get(name) not in (None, False, 0, 0.0, [], {}):
                 raise BadRequest(f"'{name}' is not supported by this server", name)
         if req.model is not None and req.model != model_name:
             raise BadRequest(f"the model '{req.model}' does not exist; this server serves '{model_name}'", "model", 404)
-        if req.n not in (None, 1):
-            raise BadRequest(f"n must be 1, got {req.n}", "n")
+        n = 1 if req.n is None else req.n
+        if n < 1:
+            raise BadRequest(f"n must be >= 1, got {n}", "n")
         if req.temperature is not None and req.temperature < 0:
             raise BadRequest(f"temperature must be >= 0, got {req.temperature}", "temperature")
         if req.top_p is not None and not 0 < req.top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            k, k_name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+            echo = False
+        else:
+            k, k_name, echo = req.logprobs, "logprobs", bool(req.echo)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequest(f"{k_name} must be in [0, {MAX_LOGPROBS}], got {k}", k_name)
         max_tokens, max_name = req.max_tokens, "max_tokens"
         if chat and req.max_completion_tokens is not None:
             max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is not None and max_tokens <= 0:
-            raise BadRequest(f"{max_name} must be >= 1, got {max_tokens}", max_name)
+        if max_tokens is not None and max_tokens < (0 if echo else 1):
+            raise BadRequest(f"{max_name} must be >= {0 if echo else 1}{'' if echo else ' (0 only with echo)'}, "
+                             f"got {max_tokens}", max_name)
         if req.seed is not None and not 0 <= req.seed < 2**63:
             raise BadRequest(f"seed must be in [0, 2^63), got {req.seed}", "seed")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        prompts = prompt_ids(req, chat)
         prompt_name = "messages" if chat else "prompt"
-        if chat:
-            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                         else "".join(p.text for p in m.content)} for m in req.messages]
-            try:
-                ids = chat_prompt(tokenizer, [{**m, "content": m["content"] or ""} for m in messages])
-            except Exception as e:  # a template that rejects the conversation (e.g. role order)
-                raise BadRequest(f"cannot render the chat template: {e}", "messages") from None
-        else:
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                if len(prompt) != 1:
-                    raise BadRequest(f"one prompt per request (n=1, no batches); got {len(prompt)}", "prompt")
-                prompt = prompt[0]
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})", "prompt")
-        if not ids:
-            raise BadRequest("the prompt is empty", prompt_name)
-        if len(ids) >= engine.max_len:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; the context is {engine.max_len} tokens "
-                             f"(prompt + completion)", prompt_name)
-        room = engine.max_len - len(ids)
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise BadRequest(f"{max_name} ({max_tokens}) + the prompt ({len(ids)} tokens) exceeds the context of "
-                             f"{engine.max_len} tokens", max_name)
+        if len(prompts) * n > engine.max_batch + engine.max_queue:
+            raise BadRequest(f"{len(prompts)} prompt(s) x n={n} sequences; this server takes at most "
+                             f"{engine.max_batch + engine.max_queue} at once", "n" if n > 1 else "prompt")
         stops = tuple(getattr(tokenizer, "stop_ids", ())) or (
             (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ())
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop_ids=stops)
-        return ids, params, stop
+        params = []
+        for ids in prompts:
+            if not ids:
+                raise BadRequest("the prompt is empty", prompt_name)
+            scoring = echo and max_tokens == 0  # the whole context may be prompt
+            if len(ids) > engine.max_len or (len(ids) == engine.max_len and not scoring):
+                raise BadRequest(f"the prompt has {len(ids)} tokens; the context is {engine.max_len} tokens "
+                                 f"(prompt + completion)", prompt_name)
+            room = engine.max_len - len(ids)
+            if max_tokens is not None and max_tokens > room:
+                raise BadRequest(f"{max_name} ({max_tokens}) + the prompt ({len(ids)} tokens) exceeds the context "
+                                 f"of {engine.max_len} tokens", max_name)
+            params.append([SamplingParams(
+                max_tokens=room if max_tokens is None else max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else (req.seed + j) % 2**63, stop_ids=stops,
+                logprobs=k, prompt_logprobs=echo) for j in range(n)])
+        return prompts, params, stop
 
     async def _handle(request: Request, chat: bool):
         try:
@@ -245,7 +296,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             return error_response(400, "the request body must be a JSON object")
         try:
             req = (ChatRequest if chat else CompletionRequest).model_validate(body)
-            prompt, params, stop = prepare(req, chat)
+            prompts, params, stop = prepare(req, chat)
         except pydantic.ValidationError as e:
             err = e.errors()[0]
             param = _param(err["loc"])
@@ -253,67 +304,94 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         except BadRequest as e:
             return error_response(e.status, e.message, e.param)
         channel = _Channel(asyncio.get_running_loop())
-        seq = Sequence(prompt, params, channel.on_token, channel.on_finish)
+        choices: list[_Choice] = []
+        for prompt, prompt_params in zip(prompts, params):
+            for p in prompt_params:
+                seq = Sequence(prompt, p, *channel.callbacks(len(choices)))
+                logprobs = None if chat or p.logprobs is None else CompletionLogprobs(tokenizer, p.logprobs)
+                choices.append(_Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs))
+
+        def cancel_all():
+            for c in choices:
+                engine.cancel(c.seq)
         try:
-            engine.submit(seq)
-        except QueueFull as e:
+            for c in choices:
+                engine.submit(c.seq)
+        except (QueueFull, ValueError) as e:
+            cancel_all()
+            if isinstance(e, ValueError):
+                return error_response(400, str(e), "messages" if chat else "prompt")
             engine.metrics.request_done("rejected")
             return error_response(503, f"the server is busy: {e}; retry later", kind="server_overloaded",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
-        except ValueError as e:
-            return error_response(400, str(e), "messages" if chat else "prompt")
-        reply = _Reply(chat, model_name, prompt, bool(req.return_token_ids))
-        text = TextStream(tokenizer, stop)
+        reply = _Reply(chat, model_name, prompts, bool(req.return_token_ids), tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EngineStream(_stream(seq, channel, text, reply, usage), lambda: engine.cancel(seq),
+            return _EngineStream(_stream(choices, channel, reply, usage), cancel_all,
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, seq, channel, text, reply)
+        return await _collect(request, choices, channel, reply, cancel_all)
 
-    async def _events(seq: Sequence, channel: _Channel, text: TextStream):
-        """(text delta, token id or None, finish reason or None) until the request ends."""
-        while True:
-            kind, value = await channel.queue.get()
+    async def _events(choices: list[_Choice], channel: _Channel):
+        """(choice, text delta, token id or None, its TokenLogprobs or None, finish reason or None) until
+        every choice has ended."""
+        live = len(choices)
+        while live:
+            index, kind, value = await channel.queue.get()
+            c = choices[index]
+            if c.finish_reason is not None:  # ended at a stop string; the engine's own end comes after
+                continue
             if kind == "finish":
-                yield text.finish(), None, value
-                return
-            delta = text.add(value)
-            if text.stopped:  # a stop string: the request is complete, free its row now
-                engine.cancel(seq, "stop")
-                yield delta, value, "stop"
-                return
-            yield delta, value, None
+                c.finish_reason = value
+                live -= 1
+                yield c, c.text.finish(), None, None, value
+                continue
+            token, logprobs = value
+            delta = c.text.add(token)
+            if c.text.stopped:  # a stop string: the choice is complete, free its row now
+                engine.cancel(c.seq, "stop")
+                c.finish_reason = "stop"
+                live -= 1
+                yield c, delta, token, logprobs, "stop"
+                continue
+            yield c, delta, token, logprobs, None
 
-    async def _stream(seq, channel, text, reply: "_Reply", usage: bool):
+    async def _stream(choices: list[_Choice], channel: _Channel, reply: "_Reply", usage: bool):
         if reply.chat:
-            yield _sse(reply.chunk({"role": "assistant", "content": ""}))
-        async for delta, token, reason in _events(seq, channel, text):
+            for c in choices:
+                yield _sse(reply.chunk(c, {"role": "assistant", "content": ""}))
+        echoed = set()
+        async for c, delta, token, logprobs, reason in _events(choices, channel):
             if reason == "error":
                 yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
                                       "code": None}})
                 return
-            if delta or (reply.token_ids and token is not None):
-                yield _sse(reply.chunk(delta, [token] if token is not None else []))
+            if c.seq.params.prompt_logprobs and c.index not in echoed:  # the engine has scored the prompt
+                echoed.add(c.index)
+                yield _sse(reply.chunk(c, reply.echo(c), prompt=True))
+            tokens = [] if token is None else [token]
+            if delta or (token is not None and (reply.token_ids or logprobs is not None)):
+                yield _sse(reply.chunk(c, delta, tokens, [logprobs] if logprobs is not None else []))
             if reason is not None:
-                yield _sse(reply.chunk(None, [], reason))
+                yield _sse(reply.chunk(c, None, finish_reason=reason))
         if usage:
-            yield _sse(reply.usage_chunk(len(seq.generated)))
+            yield _sse(reply.usage_chunk(choices))
         yield "data: [DONE]\n\n"
 
-    async def _collect(request: Request, seq, channel, text, reply: "_Reply"):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, lambda: engine.cancel(seq)))
-        parts, ids, reason = [], [], None
+    async def _collect(request: Request, choices: list[_Choice], channel: _Channel, reply: "_Reply", cancel_all):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, cancel_all))
         try:
-            async for delta, token, reason in _events(seq, channel, text):
-                parts.append(delta)
-                if token is not None and token not in seq.params.stop_ids:
-                    ids.append(token)
+            async for c, delta, token, logprobs, reason in _events(choices, channel):
+                c.parts.append(delta)
+                if token is not None and token not in c.seq.params.stop_ids:
+                    c.ids.append(token)
+                    if logprobs is not None:
+                        c.entries.append(logprobs)
         finally:
             watcher.cancel()
-            engine.cancel(seq)
-        if reason == "error":
+            cancel_all()
+        if any(c.finish_reason == "error" for c in choices):
             return error_response(500, "generation failed", kind="server_error")
-        return reply.full("".join(parts), ids, reason, len(seq.generated))
+        return reply.full(choices)
 
     return app
 
@@ -321,44 +399,77 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 class _Reply:
     """OpenAI response bodies for one request."""
 
-    def __init__(self, chat: bool, model: str, prompt: list[int], token_ids: bool):
-        self.chat, self.model, self.prompt, self.token_ids = chat, model, prompt, token_ids
+    def __init__(self, chat: bool, model: str, prompts: list[list[int]], token_ids: bool, tokenizer):
+        self.chat, self.model, self.prompts, self.token_ids = chat, model, prompts, token_ids
+        self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def _envelope(self, choice: dict, chunk: bool) -> dict:
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _usage(self, generated: int) -> dict:
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": generated,
-                "total_tokens": len(self.prompt) + generated}
+    def _usage(self, choices: list[_Choice]) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        generated = sum(len(c.seq.generated) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
-    def chunk(self, delta, token_ids=(), finish_reason=None) -> dict:
-        """A stream chunk: ``delta`` is text (completions), a delta dict (chat) or None (final chunk)."""
+    def echo(self, c: _Choice) -> str:
+        """The echoed prompt's text."""
+        return self.tokenizer.decode(c.seq.prompt)
+
+    def _logprobs(self, c: _Choice, ids: list[int], entries: list[TokenLogprobs], prompt: bool):
+        """The choice's logprobs field for ``ids`` (completions with ``prompt``: the echoed prompt's)."""
         if self.chat:
-            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else
-                      ({} if delta is None else {"content": delta}), "logprobs": None, "finish_reason": finish_reason}
+            return None if c.seq.params.logprobs is None else {"content": chat_content(self.tokenizer, ids, entries),
+                                                                "refusal": None}
+        if c.logprobs is None:
+            return None
+        if prompt:  # (no entries when the request ended before its prefill did)
+            return c.logprobs.piece(c.seq.prompt, c.seq.prompt_logprobs or [None] * len(c.seq.prompt))
+        return c.logprobs.piece(ids, entries)
+
+    def chunk(self, c: _Choice, delta, token_ids=(), entries=(), finish_reason=None, prompt: bool = False) -> dict:
+        """A stream chunk of choice ``c``: ``delta`` is text (completions), a delta dict (chat) or None
+        (its final chunk); ``prompt``: the echoed prompt."""
+        if finish_reason is not None or (self.chat and isinstance(delta, dict)):
+            logprobs = None
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
-        if self.token_ids and token_ids:
-            choice["token_ids"] = list(token_ids)
-        return self._envelope(choice, chunk=True)
-
-    def usage_chunk(self, generated: int) -> dict:
-        out = self._envelope({}, chunk=True)
-        out["choices"] = []
-        out["usage"] = self._usage(generated)
-        return out
-
-    def full(self, text: str, token_ids: list[int], finish_reason: str, generated: int) -> dict:
+            logprobs = self._logprobs(c, list(token_ids), list(entries), prompt)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": c.index, "delta": delta if isinstance(delta, dict) else
+                      ({} if delta is None else {"content": delta}), "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.token_ids:
-            choice["prompt_token_ids"], choice["token_ids"] = self.prompt, token_ids
-        out = self._envelope(choice, chunk=False)
-        out["usage"] = self._usage(generated)
+            choice = {"index": c.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.token_ids and (token_ids or prompt):
+            choice["token_ids"] = list(c.seq.prompt if prompt else token_ids)
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict:
+        out = self._envelope([], chunk=True)
+        out["usage"] = self._usage(choices)
         return out
+
+    def full(self, choices: list[_Choice]) -> dict:
+        out = []
+        for c in choices:
+            text = "".join(c.parts)
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                          "logprobs": self._logprobs(c, c.ids, c.entries, False), "finish_reason": c.finish_reason}
+            else:
+                echo = c.seq.params.prompt_logprobs
+                logprobs = None
+                if c.logprobs is not None:
+                    parts = ([self._logprobs(c, [], [], True)] if echo else []) + [
+                        self._logprobs(c, c.ids, c.entries, False)]
+                    logprobs = {key: sum((p[key] for p in parts), []) for key in parts[0]}
+                choice = {"index": c.index, "text": (self.echo(c) if echo else "") + text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+            if self.token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = c.seq.prompt, c.ids
+            out.append(choice)
+        body = self._envelope(out, chunk=False)
+        body["usage"] = self._usage(choices)
+        return body

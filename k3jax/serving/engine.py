@@ -24,6 +24,13 @@ left-pads a ragged batch. A request's lifecycle:
    ``max_tokens``; a row that stops (stop token, cancel) has at most one step in flight, whose
    token is dropped, and its next owner's ``write_row`` replaces everything the row held.
 
+Log-probabilities (``k3jax.serving.logprobs``) come from the same steps: a decode step returns the
+sampled tokens' and the top-``MAX_LOGPROBS`` log-probabilities of every row it ran, a prefill chunk
+those of every prompt position's next prompt token (for requests that ask for the prompt's:
+``SamplingParams.prompt_logprobs``, OpenAI's ``echo``). Both are skipped on the device when no row
+asks. A request with ``max_tokens=0`` and ``prompt_logprobs`` only scores its prompt: it ends after
+its prefill without taking a pool row.
+
 A step runs the smallest of the decode programs (for 1, 2, 4, ... rows, and ``max_batch``) that
 covers the last busy row, on the pool's leading rows (``cache.first_rows``); requests take the
 lowest free row, so a few concurrent requests cost a few rows' work, not the whole pool's.
@@ -54,6 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
 from k3jax.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
+from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, token_logprobs
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
@@ -72,13 +80,24 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh seed per request
     stop_ids: tuple[int, ...] = ()  # generation ends after one of these (not passed to on_token)
+    logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
+    prompt_logprobs: bool = False  # the prompt's too (its first token has none); max_tokens may then be 0
+
+
+def _logprobs_of(own, top, ids, k: int) -> TokenLogprobs:
+    """A token's log-probability and its position's first ``k`` alternatives, from host arrays
+    (own: a scalar, top / ids: ``[MAX_LOGPROBS]``)."""
+    return TokenLogprobs(float(own), tuple(int(i) for i in ids[:k]), tuple(float(v) for v in top[:k]))
 
 
 class Sequence:
-    """One request inside the engine. ``on_token(id)`` and ``on_finish(reason)`` are called from the
-    engine thread; ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``."""
+    """One request inside the engine. ``on_token(id, logprobs)`` (a ``TokenLogprobs`` when
+    ``params.logprobs`` is set, else None) and ``on_finish(reason)`` are called from the engine
+    thread; ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``. With
+    ``params.prompt_logprobs``, ``prompt_logprobs`` (one entry per prompt token, the first None) is
+    set before the first of these calls."""
 
-    def __init__(self, prompt, params: SamplingParams, on_token: Callable[[int], None],
+    def __init__(self, prompt, params: SamplingParams, on_token: Callable[[int, TokenLogprobs | None], None],
                  on_finish: Callable[[str], None]):
         self.prompt = [int(t) for t in prompt]
         self.params = params
@@ -88,6 +107,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclasses.dataclass
@@ -95,9 +115,12 @@ class _Prefill:
     seqs: list[Sequence]  # row i of the prefill batch is seqs[i]; rows past len(seqs) are padding
     tokens: np.ndarray  # [R, chunks * P] left-padded prompts
     valid: np.ndarray  # [R, chunks * P]
+    targets: np.ndarray  # [R, chunks * P] each position's next prompt token (the last: unused)
     cache: object
+    scores: bool = False  # some request wants its prompt's log-probabilities
     done: int = 0  # chunks run so far
     last: object = None  # last logits [R, V]
+    scored: list = dataclasses.field(default_factory=list)  # per chunk: token_logprobs' arrays [R, P(, K)]
 
 
 class Engine:
@@ -153,9 +176,9 @@ class Engine:
         def empty_prefill(rows):
             return init_cache(wide, plan, rows, c + p)
 
-        def prefill(state, cache, tokens, valid):
+        def prefill(state, cache, tokens, valid, targets, scores):
             logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
-            return logits[:, -1], cache
+            return logits[:, -1], cache, token_logprobs(logits, targets, MAX_LOGPROBS, scores)
 
         def insert(pool, logits, keys, row, src, src_row, last, seed):
             pool = write_row(pool, row, src, pool.length - src.length, src_row)
@@ -164,14 +187,17 @@ class Engine:
         def realign(pool, shift):
             return shift_slots(pool, shift)
 
-        def decode(rows, state, pool, logits, keys, temperature, top_p, active):
-            """A step of the pool's first ``rows`` rows (static); -> tokens [rows] and the updated pool rows."""
+        def decode(rows, state, pool, logits, keys, temperature, top_p, active, wants):
+            """A step of the pool's first ``rows`` rows (static); -> tokens [rows], their log-probabilities
+            (token_logprobs: [rows], [rows, K] x 2; computed when an active row ``wants`` them) and the
+            updated pool rows."""
             pairs = jax.vmap(jax.random.split)(keys[:rows])  # [rows, 2]
             tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
             tokens = jnp.where(active[:rows], tokens, 0)
+            scored = token_logprobs(logits[:rows], tokens, MAX_LOGPROBS, jnp.any(wants[:rows] & active[:rows]))
             out, sub = nnx.merge(graphdef, state)(tokens[:, None], cache=first_rows(pool, rows),
                                                   token_valid=active[:rows, None])
-            return (tokens, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
+            return (tokens, scored, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
                     put_first_rows(pool, sub))
 
         sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
@@ -189,11 +215,11 @@ class Engine:
                 return jax.jit(fn, out_shardings=out_shardings, **kw)
         self._empty_pool = jit(empty_pool, out_shardings=pool_sh)
         self._empty_prefill = {r: jit(functools.partial(empty_prefill, r), out_shardings=pre_sh[r]) for r in sizes}
-        self._prefill_fn = {r: jit(prefill, out_shardings=(rep, pre_sh[r]), donate_argnums=(1,)) for r in sizes}
+        self._prefill_fn = {r: jit(prefill, out_shardings=(rep, pre_sh[r], rep), donate_argnums=(1,)) for r in sizes}
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         # decode programs by row count: 1, 2, 4, ... and the whole pool
-        self._decode_fn = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, pool_sh),
+        self._decode_fn = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, pool_sh),
                                   donate_argnums=(1, 2, 3))
                            for r in sorted({min(2**i, b) for i in range(b.bit_length() + 1)})}
         zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
@@ -212,6 +238,7 @@ class Engine:
         self._inflight: collections.deque = collections.deque()  # (tokens [B], each row's request) per queued step
         self._temperature = np.zeros(self.max_batch, np.float32)
         self._top_p = np.ones(self.max_batch, np.float32)
+        self._wants = np.zeros(self.max_batch, bool)  # the row's request wants log-probabilities
         self._length = 0  # the pool's write position (host copy of pool.length)
         self._prefill: _Prefill | None = None
 
@@ -222,7 +249,7 @@ class Engine:
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             for n in sorted({1, min(2, self.prefill_batch)}):  # the batch-1 and the batched prefill
                 self._rows = [None] * self.max_batch  # the dummies' rows are free again
-                self._start_prefill([Sequence([0], SamplingParams(max_tokens=1), lambda t: None, lambda r: None)
+                self._start_prefill([Sequence([0], SamplingParams(max_tokens=1), lambda t, lp: None, lambda r: None)
                                      for _ in range(n)])
                 while self._prefill is not None:
                     self._prefill_chunk()
@@ -237,19 +264,23 @@ class Engine:
         self.metrics = metrics
 
     # --- the client side (any thread) ----------------------------------------------------------------
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise ValueError when a request cannot fit in a row."""
+    def check(self, prompt_len: int, max_tokens: int, scoring: bool = False) -> None:
+        """Raise ValueError when a request cannot fit in a row (``scoring``: it wants its prompt's
+        log-probabilities, so it may generate nothing)."""
         if prompt_len < 1:
             raise ValueError("the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens < (0 if scoring else 1):
+            raise ValueError(f"max_tokens must be >= {0 if scoring else 1}, got {max_tokens}")
         if prompt_len + max_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                              f"{self.max_len} tokens")
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request (``ValueError`` when it cannot fit, ``QueueFull`` when the queue is full)."""
-        self.check(len(seq.prompt), seq.params.max_tokens)
+        self.check(len(seq.prompt), seq.params.max_tokens, seq.params.prompt_logprobs)
+        k = seq.params.logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
         bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -368,19 +399,45 @@ class Engine:
         for i, seq in enumerate(seqs):
             tokens[i, padded - len(seq.prompt):] = seq.prompt
             valid[i, padded - len(seq.prompt):] = True
-        self._prefill = _Prefill(list(seqs), tokens, valid, self._empty_prefill[rows]())
+        targets = np.zeros_like(tokens)
+        targets[:, :-1] = tokens[:, 1:]
+        self._prefill = _Prefill(list(seqs), tokens, valid, targets, self._empty_prefill[rows](),
+                                 scores=any(s.params.prompt_logprobs for s in seqs))
 
     def _prefill_chunk(self):
         job, p = self._prefill, self.prefill_chunk
         i = job.done * p
-        job.last, job.cache = self._prefill_fn[job.tokens.shape[0]](self._state, job.cache, job.tokens[:, i:i + p],
-                                                                    job.valid[:, i:i + p])
+        job.last, job.cache, scored = self._prefill_fn[job.tokens.shape[0]](
+            self._state, job.cache, job.tokens[:, i:i + p], job.valid[:, i:i + p], job.targets[:, i:i + p],
+            np.bool_(job.scores))
+        if job.scores:
+            job.scored.append(scored)
         job.done += 1
         if job.done * p == job.tokens.shape[1]:
+            if job.scores:
+                self._set_prompt_logprobs(job)
             for src_row, seq in enumerate(job.seqs):
-                if seq is not None:
+                if seq is None:
+                    continue
+                if seq.params.max_tokens == 0:  # scored, nothing to generate
+                    self.metrics.tokens(prompt=len(seq.prompt))
+                    self._finish(seq, "length")
+                else:
                     self._insert(job, src_row)
             self._prefill = None
+
+    def _set_prompt_logprobs(self, job: _Prefill):
+        """Each scoring request's ``prompt_logprobs`` from the chunks' outputs: prompt token t's entry
+        comes from the position before it (its first token has none)."""
+        own, top, ids = (np.concatenate([np.asarray(c[j]) for c in job.scored], axis=1) for j in range(3))
+        width = job.tokens.shape[1]
+        for src_row, seq in enumerate(job.seqs):
+            if seq is None or not seq.params.prompt_logprobs:
+                continue
+            k = seq.params.logprobs or 0
+            start = width - len(seq.prompt)  # the row's first prompt position (left padding before it)
+            seq.prompt_logprobs = [None] + [_logprobs_of(own[src_row, i], top[src_row, i], ids[src_row, i], k)
+                                            for i in range(start, width - 1)]
 
     def _insert(self, job: _Prefill, src_row: int):
         seq = job.seqs[src_row]
@@ -395,6 +452,7 @@ class Engine:
                                                                np.uint32(seed % 2**32))
         self._rows[row], self._filled[row], self._queued[row] = seq, n, 0
         self._temperature[row], self._top_p[row] = params.temperature, params.top_p
+        self._wants[row] = params.logprobs is not None
         self.metrics.tokens(prompt=n)
 
     def _realign(self, shift: int):
@@ -413,24 +471,27 @@ class Engine:
         if self._length >= self.max_len:  # out of slots: move every row back to the start
             self._realign(int(self._filled[active].max()) - self._length)
         last = int(np.flatnonzero(active)[-1])
-        tokens = self._decode(min(r for r in self._decode_fn if r > last), active)
+        tokens, scored = self._decode(min(r for r in self._decode_fn if r > last), active)
         self._filled[active] += 1
         self._queued[active] += 1
-        self._inflight.append((tokens, rows))
+        self._inflight.append((tokens, scored, rows))
         return True
 
-    def _decode(self, rows: int, active: np.ndarray) -> jax.Array:
-        """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens."""
-        tokens, self._logits, self._keys, self._pool = self._decode_fn[rows](
-            self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active)
+    def _decode(self, rows: int, active: np.ndarray):
+        """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens and
+        their log-probabilities (token_logprobs' arrays)."""
+        tokens, scored, self._logits, self._keys, self._pool = self._decode_fn[rows](
+            self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active, self._wants)
         self._length += 1
-        return tokens
+        return tokens, scored
 
     def _read_step(self):
         """Wait for the oldest queued step's tokens and hand each to its request (one that ended
         since the step was queued gets nothing)."""
-        tokens, rows = self._inflight.popleft()
+        tokens, scored, rows = self._inflight.popleft()
         tokens = np.asarray(tokens)
+        if any(seq is not None and seq.params.logprobs is not None for seq in rows):
+            own, top, ids = (np.asarray(a) for a in scored)
         now = time.monotonic()
         generated = 0
         for r, seq in enumerate(rows):
@@ -446,7 +507,8 @@ class Engine:
             if token in seq.params.stop_ids:
                 reason = "stop"
             else:
-                seq.on_token(token)
+                k = seq.params.logprobs
+                seq.on_token(token, None if k is None else _logprobs_of(own[r], top[r], ids[r], k))
                 if len(seq.generated) >= seq.params.max_tokens:
                     reason = "length"
             if reason is not None:
