@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Literal
 
 from k3jax.config.fields import check, check_choices, runtime
@@ -51,9 +52,15 @@ class OptimConfig:
 class DataConfig:
     """Where training text comes from and how it becomes packed rows (k3jax/data)."""
 
-    source: str = "bundled"  # "bundled" (the shipped public-domain corpus) or a local file / glob
-    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = "auto"
+    source: str = "bundled"  # "bundled" (the shipped public-domain corpus / chat set) or a local file / glob
+    # chat: records with an OpenAI-style `messages` list (JSONL, parquet or ArrayRecord; k3jax/data/chat.py)
+    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord", "chat"] = "auto"
     text_field: str = "text"  # jsonl / parquet column
+    # chat: the tokens the loss trains: every assistant turn (its content, reasoning, tool calls and
+    # end-of-turn token), the last assistant turn only, or every token
+    chat_loss: Literal["assistant", "last_assistant", "all"] = "assistant"
+    # chat: a conversation longer than seq_len is cut to a prefix ending at a trained token, or dropped
+    chat_overflow: Literal["truncate", "drop"] = "truncate"
     tokenizer: str = "byte"  # "byte", a tokenizer.json path, or a tiktoken model path
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat forever
@@ -61,6 +68,63 @@ class DataConfig:
 
     def validate(self, prefix: str = "train.data") -> None:
         check(0 <= self.eval_fraction < 1, f"{prefix}.eval_fraction", "must be in [0, 1)")
+        for name in ("chat_loss", "chat_overflow"):
+            check(self.format == "chat" or getattr(self, name) == getattr(DataConfig, name), f"{prefix}.{name}",
+                  f"applies to chat data only (train.data.format=chat), not format={self.format!r}")
+
+
+# The projections low-rank adapters may target, by the layer kind that holds them (``train.lora.targets``
+# names a kind for all of its projections, or ``kind.weight`` for one). The router, norms, gates' constants,
+# convolutions, embeddings, lm_head and the routed experts are never adapted.
+LORA_SITES = {
+    "mla": ("q_a", "q_b", "q_proj", "kv_a", "kv_b", "g_proj", "o_proj"),
+    "kda": ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "g_a", "g_b", "o_proj"),
+    "ffn": ("w_gate", "w_up", "w_down"),  # the dense FFN layers
+    "shared": ("w_gate", "w_up", "w_down"),  # the MoE layers' shared experts
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the frozen model's projections (``k3jax/layers/lora.py``, docs/design.md
+    "LoRA"): ``y = x W + s (dropout(x) A) B`` with ``A [*in, rank]``, ``B [rank, *out]`` (zero at
+    start), ``s = alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``). ``rank = 0``: off."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapters' input (the low-rank path only), in training steps
+    use_rslora: bool = False  # PEFT's rank-stabilised scale
+    targets: tuple[str, ...] = ("mla", "kda", "ffn", "shared")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """The low-rank path's factor ``s`` (PEFT's ``scaling``)."""
+        return self.alpha / (self.rank ** 0.5 if self.use_rslora else self.rank)
+
+    def sites(self, kind: str) -> frozenset[str]:
+        """The weights of a ``kind`` layer (a key of :data:`LORA_SITES`) that get adapters."""
+        out = set()
+        for t in self.targets:
+            k, _, weight = t.partition(".")
+            if k == kind:
+                out.update([weight] if weight else LORA_SITES[kind])
+        return frozenset(out)
+
+    def validate(self, prefix: str = "train.lora") -> None:
+        check(self.rank >= 0, f"{prefix}.rank", "must be >= 0 (0 = off)")
+        check(self.alpha > 0, f"{prefix}.alpha", "must be positive")
+        check(0 <= self.dropout < 1, f"{prefix}.dropout", "must be in [0, 1)")
+        check(bool(self.targets) or not self.enabled, f"{prefix}.targets", "must name at least one projection")
+        valid = [*LORA_SITES, *(f"{k}.{w}" for k, ws in LORA_SITES.items() for w in ws)]
+        for t in self.targets:
+            close = difflib.get_close_matches(t, valid, n=1)
+            check(t in valid, f"{prefix}.targets", f"unknown target {t!r}" + (f" (did you mean {close[0]!r}?)"
+                  if close else "") + f"; targets are {', '.join(LORA_SITES)} or kind.weight, e.g. mla.q_b "
+                  "(never the router, norms, embeddings, lm_head or routed experts)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +154,9 @@ class TrainConfig:
     z_loss: float = 0.0
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
+    # LoRA fine-tuning (rank > 0): only the adapters train (AdamW); the model's weights, from init_from
+    # (a k3jax run / checkpoint or a Hugging Face directory), stay frozen
+    lora: LoRAConfig = LoRAConfig()
 
     def validate(self, prefix: str = "train") -> None:
         check_choices(self, prefix)
@@ -102,6 +169,9 @@ class TrainConfig:
               "needs a held-out split: train.data.eval_fraction is 0")
         self.optim.validate(f"{prefix}.optim")
         self.data.validate(f"{prefix}.data")
+        self.lora.validate(f"{prefix}.lora")
+        check(not (self.lora.enabled and self.optim.qk_clip_tau > 0), f"{prefix}.optim.qk_clip_tau",
+              "QK-clip rescales q_b / kv_b, which a LoRA run freezes: set it to 0 with train.lora.rank > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,4 +210,4 @@ class Config:
 
 
 
-__all__ = ["Config", "DataConfig", "MeshConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["LORA_SITES", "Config", "DataConfig", "LoRAConfig", "MeshConfig", "OptimConfig", "TrainConfig"]

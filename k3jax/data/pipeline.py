@@ -11,7 +11,7 @@ key                   dtype [B, T]     meaning
 ``segment_ids``       int32            1, 2, ... per packed piece within a row; 0 = padding
 ``positions``         int32            position within the piece (restarts at 0 at each piece)
 ``targets``           int32            the next token of the same document; -1 in padding
-``loss_mask``         float32          1.0 where ``targets`` counts, 0.0 in padding
+``loss_mask``         float32          1.0 where ``targets`` is trained, 0.0 elsewhere and in padding
 ====================  ===============  =============================================================
 
 Target convention (targets never cross documents). Each document becomes
@@ -22,7 +22,16 @@ simply not an input. Documents longer than ``seq_len`` pairs are cut into pieces
 pairs (the last one shorter); each piece is packed as its own segment (positions restart, the model
 resets its KDA state, conv window and attention at the piece start). A piece's last target is the
 next token of the same document (the first input of the next piece), never a token of another
-document. Every non-padding position therefore has a valid target: ``loss_mask = segment_ids > 0``.
+document. Every non-padding position therefore has a valid target, and for text every one is trained.
+
+Chat data (``train.data.format: chat``, ``k3jax.data.chat``): each conversation is one example of
+(inputs, targets, per-target mask), truncated or dropped when longer than ``seq_len``, never cut
+into pieces; the mask covers the assistant turns (``train.data.chat_loss``). Pieces of both kinds
+carry their mask (``loss_mask``, all ones for text) into packing, which packs it beside inputs and
+targets, so each packed segment keeps its own mask: ``loss_mask`` is that packed mask (0 in padding).
+When the train dataset is built, every chat record is read and rendered once (validation, and the
+counts of truncated / dropped / skipped conversations, printed by process 0); the pipeline then
+renders each conversation again as it reads it, holding none in memory.
 
 Order of operations: document indices of the split (train / eval: a deterministic hash of each
 document's *index*, ``eval_fraction`` of them held out; at least one when the fraction is > 0 and
@@ -45,6 +54,7 @@ import grain
 import numpy as np
 
 from k3jax.config import TrainConfig
+from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
 from k3jax.data.sources import open_documents
 from k3jax.data.tokenizers import TextTokenizer, load_tokenizer
 
@@ -98,7 +108,8 @@ class IndexedDocuments:
 
 
 class DocumentToPieces(grain.experimental.FlatMapTransform):
-    """text -> ``[{"inputs": int32[n], "targets": int32[n]}, ...]`` with ``n <= seq_len``."""
+    """text -> ``[{"inputs": int32[n], "targets": int32[n], "loss_mask": float32[n] (ones)}, ...]``,
+    ``n <= seq_len``."""
 
     max_fan_out = 1 << 20  # only used by the MapDataset flavour of flat_map
 
@@ -117,7 +128,8 @@ class DocumentToPieces(grain.experimental.FlatMapTransform):
         arr = np.asarray(ids, np.int32)
         inputs, targets = arr[:-1], arr[1:]
         t = self.seq_len
-        return [{"inputs": inputs[i:i + t], "targets": targets[i:i + t]} for i in range(0, len(inputs), t)]
+        return [{"inputs": inputs[i:i + t], "targets": targets[i:i + t],
+                 "loss_mask": np.ones(len(inputs[i:i + t]), np.float32)} for i in range(0, len(inputs), t)]
 
 
 def _finalize(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -128,7 +140,7 @@ def _finalize(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "segment_ids": seg,
         "positions": np.where(real, row["inputs_positions"], 0).astype(np.int32),
         "targets": np.where(real, row["targets"], -1).astype(np.int32),
-        "loss_mask": real.astype(np.float32),
+        "loss_mask": np.where(real, row["loss_mask"], 0).astype(np.float32),
     }
 
 
@@ -156,15 +168,25 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     """The packed, batched dataset of this process (see the module docstring).
 
     tokenizer: defaults to ``load_tokenizer(train_cfg.data.tokenizer)``. documents: a random-access
-    source of strings overriding ``train_cfg.data.source``.
+    source of strings (of ``k3jax.data.chat.Conversation``\ s for the chat format) overriding
+    ``train_cfg.data.source``.
     """
     data = train_cfg.data
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
     tokenizer = load_tokenizer(data.tokenizer) if tokenizer is None else tokenizer
+    chat = data.format == "chat"
     if documents is None:
-        documents = open_documents(data.source, data.format, data.text_field)
+        documents = open_conversations(data.source) if chat else open_documents(data.source, data.format,
+                                                                                  data.text_field)
     batch, seq_len, seed = local_batch_size(train_cfg, process_count), train_cfg.seq_len, train_cfg.seed
+    to_pieces = (ConversationToPieces(tokenizer, seq_len, data.chat_loss, data.chat_overflow) if chat
+                 else DocumentToPieces(tokenizer, seq_len))
+    if chat and split == "train":
+        counts = report_chat_counts(documents, to_pieces, data.eval_fraction, data.source, echo=process_index == 0)
+        if counts["train"].trained == 0:  # the repeated split would be read forever for a first batch
+            raise ValueError(f"train.data.source={data.source!r}: no conversation of the train split has a trained "
+                             f"token ({counts['train'].summary()})")
     indices = split_indices(len(documents), data.eval_fraction, split)
     if len(indices) == 0:
         raise ValueError(f"the {split} split of train.data.source={data.source!r} is empty "
@@ -181,12 +203,12 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     if train:
         ds = ds.repeat(data.num_epochs)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_PREFETCH))
-    it = grain.experimental.FlatMapIterDataset(it, DocumentToPieces(tokenizer, seq_len))
+    it = grain.experimental.FlatMapIterDataset(it, to_pieces)
     if shuffle:
         window = max(batch, min(_WINDOW_PIECES, _WINDOW_TOKENS // seq_len))
         it = grain.experimental.WindowShuffleIterDataset(it, window_size=window, seed=seed + 1)
     it = grain.experimental.FirstFitPackIterDataset(
-        it, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=batch,
+        it, length_struct={"inputs": seq_len, "targets": seq_len, "loss_mask": seq_len}, num_packing_bins=batch,
         seed=seed, shuffle_bins=shuffle)
     it = it.map(_finalize)
     if train:
@@ -196,13 +218,29 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     return it
 
 
+def report_chat_counts(conversations, to_pieces: ConversationToPieces, eval_fraction: float, source: str, *,
+                       echo: bool = True) -> dict[str, Any]:
+    """Scan every conversation of the source (``k3jax.data.chat.scan_conversations``: validates every
+    record) and print one line per split when ``echo``. Returns ``{split: ChatCounts}``."""
+    counts = {}
+    for split in ("train", "eval") if eval_fraction > 0 else ("train",):
+        counts[split] = scan_conversations(conversations, to_pieces,
+                                           split_indices(len(conversations), eval_fraction, split))
+        if echo:
+            print(f"chat data {source} ({split}, chat_loss={to_pieces.chat_loss}, seq_len={to_pieces.seq_len}, "
+                  f"overflow={to_pieces.overflow}): {counts[split].summary()}", flush=True)
+    return counts
+
+
 def batch_summary(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Counts for logging: real tokens, padding fraction, pieces per row."""
+    """Counts for logging: real tokens, trained tokens (``loss_mask`` on a target), padding fraction,
+    pieces per row."""
     seg = batch["segment_ids"]
     real = int((seg > 0).sum())
-    return {"tokens": real, "padding_fraction": 1.0 - real / seg.size,
+    trained = int(((batch["loss_mask"] > 0) & (batch["targets"] >= 0)).sum())
+    return {"tokens": real, "trained_tokens": trained, "padding_fraction": 1.0 - real / seg.size,
             "pieces_per_row": float(seg.max(axis=1).mean())}
 
 
 __all__ = ["DocumentToPieces", "IndexedDocuments", "batch_summary", "document_hash", "local_batch_size",
-           "make_train_dataset", "split_indices"]
+           "make_train_dataset", "report_chat_counts", "split_indices"]

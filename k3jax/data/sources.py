@@ -17,6 +17,11 @@ Formats, chosen by extension when ``format="auto"``:
   whose ``text_field`` is used (``grain.sources.ArrayRecordDataSource``).
 
 Errors name the offending file (and line) and, for a missing field, the fields that exist.
+
+``open_records(source)`` reads the same containers as whole records (JSON objects: a JSONL line, a
+parquet row, an ArrayRecord record) for the chat format (``k3jax.data.chat``); each record source
+says where record ``i`` is (``where(i)``: file, record number and line) for error messages. The
+bundled chat set is ``k3jax/data/corpus/chat.jsonl``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 def bundled_corpus_path() -> pathlib.Path:
     """Path of the shipped default corpus (``k3jax/data/corpus/kjv.txt``)."""
     return pathlib.Path(str(importlib.resources.files("k3jax.data").joinpath("corpus", "kjv.txt")))
+
+
+def bundled_chat_path() -> pathlib.Path:
+    """Path of the shipped chat set (``k3jax/data/corpus/chat.jsonl``, questions about ``kjv.txt``)."""
+    return pathlib.Path(str(importlib.resources.files("k3jax.data").joinpath("corpus", "chat.jsonl")))
 
 
 def split_text_documents(text: str) -> list[str]:
@@ -86,23 +96,24 @@ def _field(record, field: str, where: str) -> str:
     return value
 
 
-class JsonlDocuments:
-    """The ``text_field`` of each non-empty line of a JSON-lines file, read lazily by byte offset
-    (``os.pread``, safe from grain's reader threads)."""
+class JsonlRecords:
+    """Each non-empty line of a JSON-lines file, parsed, read lazily by byte offset (``os.pread``, safe
+    from grain's reader threads)."""
 
-    def __init__(self, path: str | os.PathLike, text_field: str = "text"):
+    def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
-        self.text_field = text_field
-        offsets, lengths = [], []
+        offsets, lengths, lines = [], [], []
         pos = 0
         with open(self.path, "rb") as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
                     offsets.append(pos)
                     lengths.append(len(line))
+                    lines.append(number)
                 pos += len(line)
         self._offsets = np.asarray(offsets, np.int64)
         self._lengths = np.asarray(lengths, np.int64)
+        self._lines = np.asarray(lines, np.int64)
         self._fd = None
         self._pid = None
         if len(self):
@@ -116,15 +127,16 @@ class JsonlDocuments:
             self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
         return self._fd
 
-    def __getitem__(self, index: int) -> str:
+    def where(self, index: int) -> str:
+        return f"{self.path}: record {index} (line {self._lines[index]})"
+
+    def __getitem__(self, index: int):
         # pread: positional and thread-safe (grain reads the source from several threads)
         line = os.pread(self._file(), int(self._lengths[index]), int(self._offsets[index]))
-        where = f"{self.path}: record {index}"
         try:
-            record = json.loads(line)
+            return json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
-        return _field(record, self.text_field, where)
+            raise ValueError(f"{self.where(index)}: not valid JSON ({e})") from None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -137,6 +149,20 @@ class JsonlDocuments:
                 os.close(self._fd)
             except OSError:
                 pass
+
+    def __repr__(self) -> str:
+        return f"JsonlRecords({str(self.path)!r}, {len(self)} records)"
+
+
+class JsonlDocuments(JsonlRecords):
+    """The ``text_field`` of each record of a JSON-lines file."""
+
+    def __init__(self, path: str | os.PathLike, text_field: str = "text"):
+        self.text_field = text_field
+        super().__init__(path)
+
+    def __getitem__(self, index: int) -> str:
+        return _field(super().__getitem__(index), self.text_field, self.where(index))
 
     def __repr__(self) -> str:
         return f"JsonlDocuments({str(self.path)!r}, field={self.text_field!r}, {len(self)} documents)"
@@ -165,6 +191,57 @@ class ParquetDocuments:
 
     def __repr__(self) -> str:
         return f"ParquetDocuments({str(self.path)!r}, {len(self)} documents)"
+
+
+class ParquetRecords:
+    """The rows of a parquet file as dicts (read into memory with pyarrow; nested columns such as a
+    ``messages`` list of structs become lists of dicts)."""
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+        self.path = pathlib.Path(path)
+        self._rows = pq.read_table(self.path).to_pylist()
+
+    def where(self, index: int) -> str:
+        return f"{self.path}: record {index} (row {index})"
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self._rows[index]
+
+    def __repr__(self) -> str:
+        return f"ParquetRecords({str(self.path)!r}, {len(self)} records)"
+
+
+class ArrayRecordRecords:
+    """The records of ArrayRecord file(s), each a UTF-8 JSON object."""
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
+        import grain
+
+        self.paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+        self._source = grain.sources.ArrayRecordDataSource(self.paths)
+
+    def where(self, index: int) -> str:
+        return f"{', '.join(self.paths)}: record {index}"
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int):
+        raw = self._source[index]
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.where(index)}: not a UTF-8 JSON record ({e})") from None
+
+    def __repr__(self) -> str:
+        return f"ArrayRecordRecords({self.paths!r}, {len(self)} records)"
 
 
 class ArrayRecordDocuments:
@@ -209,13 +286,21 @@ class ConcatDocuments:
         return self._ends[-1] if self._ends else 0
 
     def __getitem__(self, index: int) -> str:
+        part, local = self._locate(index)
+        return self.parts[part][local]
+
+    def _locate(self, index: int) -> tuple[int, int]:
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
         part = bisect.bisect_right(self._ends, index)
-        start = self._ends[part - 1] if part else 0
-        return self.parts[part][index - start]
+        return part, index - (self._ends[part - 1] if part else 0)
+
+    def where(self, index: int) -> str:
+        """Where record ``index`` is (parts that are record sources)."""
+        part, local = self._locate(index)
+        return self.parts[part].where(local)
 
     def __repr__(self) -> str:
         return f"ConcatDocuments({len(self.parts)} parts, {len(self)} documents)"
@@ -261,6 +346,25 @@ def _open_one(path: pathlib.Path, fmt: str, text_field: str):
     raise ValueError(f"train.data.format: unknown format {fmt!r}; one of auto, {', '.join(FORMATS)}")
 
 
+_RECORD_READERS = {"jsonl": JsonlRecords, "parquet": ParquetRecords, "arrayrecord": ArrayRecordRecords}
+
+
+def open_records(source: str):
+    """A random-access source of whole records (JSON values) with ``where(i)``, from a file, directory or
+    glob of JSONL, parquet or ArrayRecord files (by extension)."""
+    parts = []
+    for path in _expand(source):
+        fmt = detect_format(path)
+        if fmt not in _RECORD_READERS:
+            raise ValueError(f"train.data.source: {path} is {fmt}; records are read from "
+                             f"{', '.join(_RECORD_READERS)} files")
+        parts.append(_RECORD_READERS[fmt](path))
+    records = parts[0] if len(parts) == 1 else ConcatDocuments(parts)
+    if len(records) == 0:
+        raise ValueError(f"train.data.source: {source!r} holds no records")
+    return records
+
+
 def open_documents(source: str = "bundled", format: str = "auto", text_field: str = "text"):
     """A random-access source of document strings (see the module docstring)."""
     if format != "auto" and format not in FORMATS:
@@ -278,5 +382,6 @@ def open_documents(source: str = "bundled", format: str = "auto", text_field: st
     return docs
 
 
-__all__ = ["ArrayRecordDocuments", "ConcatDocuments", "JsonlDocuments", "ParquetDocuments", "TextDocuments",
-           "bundled_corpus_path", "detect_format", "open_documents", "split_text_documents"]
+__all__ = ["ArrayRecordDocuments", "ArrayRecordRecords", "ConcatDocuments", "JsonlDocuments", "JsonlRecords",
+           "ParquetDocuments", "ParquetRecords", "TextDocuments", "bundled_chat_path", "bundled_corpus_path",
+           "detect_format", "open_documents", "open_records", "split_text_documents"]

@@ -1,26 +1,12 @@
-"""Text side of a request: chat prompts through the tokenizer, and generated ids back to text with
-OpenAI ``stop`` strings."""
+"""Text side of a request: chat prompts (``k3jax.data.chat.chat_prompt``: the tokenizer's chat format,
+or the plain transcript that chat fine-tuning trains on), and generated ids back to text with OpenAI
+``stop`` strings."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
-
-def chat_prompt(tokenizer, messages: Sequence[Mapping]) -> list[int]:
-    """Token ids of a chat prompt ending where the assistant's reply starts.
-
-    A tokenizer with a chat format (``k3jax.tokenizer.Tokenizer``: the release's jinja template or
-    K3's XTML) renders it; one without (the byte tokenizer of the demo checkpoint, which was trained
-    on plain text) gets a plain transcript, one ``role: content`` line per message, then
-    ``assistant:``.
-    """
-    if hasattr(tokenizer, "apply_chat_template"):
-        try:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except ValueError:  # no template and no XTML markers: fall through to the transcript
-            pass
-    lines = [f"{m['role']}: {m['content']}\n" for m in messages]
-    return list(tokenizer.encode("".join(lines) + "assistant:"))
+from k3jax.data.chat import chat_prompt  # the one rendering of chat prompts, shared with chat training data
 
 
 class TextStream:
@@ -82,3 +68,6 @@ class TextStream:
                     best = k
                     break
         return best
+
+
+__all__ = ["TextStream", "chat_prompt"]
