@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 
 from k3jax.cache import ModelCache, init_cache
-from k3jax.config import ModelConfig
+from k3jax.config import LoRAConfig, ModelConfig
 from k3jax.layer_plan import LayerKind, LayerPlan, layer_kind, plan_layers
-from k3jax.layers import attn_res
+from k3jax.layers import attn_res, lora
 from k3jax.ops import saved_names
 from k3jax.layers.attn_res import AttnResMix
 from k3jax.layers.ffn import GatedFFN
@@ -82,47 +82,59 @@ class DecoderLayer(nnx.Module):
             self.attn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
             self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
 
-    def _mix(self, h, ctx: "_Context", cache):
+    def _mix(self, h, ctx: "_Context", cache, lora_key):
         """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
         with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.breakdown
-            y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache)
+            y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache, lora_key)
             return constrain_activation(y, RESIDUAL_AXES), cache, max_logits
 
-    def _mix_unscoped(self, h, ctx: "_Context", cache):
+    def _mix_unscoped(self, h, ctx: "_Context", cache, lora_key):
         if self.kind[0] == "kda":
             y, cache = self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
-                                  token_valid=ctx.token_valid)
+                                  token_valid=ctx.token_valid, lora_key=lora_key)
             return y, cache, None
         out = self.mixer(self.attn_norm(h), positions=ctx.positions, segment_ids=ctx.segment_ids, cache=cache,
-                         cache_index=ctx.cache_index, kv_valid=ctx.kv_valid, max_logits=ctx.max_logits)
+                         cache_index=ctx.cache_index, kv_valid=ctx.kv_valid, max_logits=ctx.max_logits,
+                         lora_key=lora_key)
         return out if ctx.max_logits else (*out, None)
 
-    def _ffn(self, h, ctx: "_Context"):
+    def _ffn(self, h, ctx: "_Context", lora_key):
         h = self.ffn_norm(constrain_activation(h, RESIDUAL_AXES))
         if self.kind[1] == "dense":
             with jax.named_scope("dense_ffn"):
-                y, router = self.ffn(h), None
+                y, router = self.ffn(h, lora_key=lora_key), None
         else:
-            y, router = self.ffn(h, token_mask=ctx.token_valid)
+            y, router = self.ffn(h, token_mask=ctx.token_valid, lora_key=lora_key)
         return constrain_activation(y, RESIDUAL_AXES), router
+
+    def lora_modules(self) -> list[tuple[nnx.Module, str]]:
+        """The modules whose projections may get adapters, with their kind (a key of ``LORA_SITES``)."""
+        out = [(self.mixer, self.kind[0])]
+        if self.kind[1] == "dense":
+            out.append((self.ffn, "ffn"))
+        elif self.ffn.shared is not None:
+            out.append((self.ffn.shared, "shared"))
+        return out
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
         """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on; layer_idx:
         this layer's index (an int, traced inside the scan). Returns (carry, LayerStats, updated layer
         cache or None)."""
+        # adapters' dropout: one key per layer (and per weight, lora.site_key)
+        lora_key = None if ctx.lora_key is None else jax.random.fold_in(ctx.lora_key, layer_idx)
         if not self.attn_res.enabled:
-            y, cache, max_logits = self._mix(carry, ctx, cache)
+            y, cache, max_logits = self._mix(carry, ctx, cache, lora_key)
             h = carry + y.astype(carry.dtype)
-            y, router = self._ffn(h, ctx)
+            y, router = self._ffn(h, ctx, lora_key)
             return h + y.astype(h.dtype), LayerStats(router, max_logits), cache
         with jax.named_scope("attn_res"):
             h = self.attn_res_mix(carry)
             state = attn_res.close_block(carry, self.attn_res.closes_block(layer_idx))
-        y, cache, max_logits = self._mix(h, ctx, cache)
+        y, cache, max_logits = self._mix(h, ctx, cache, lora_key)
         with jax.named_scope("attn_res"):
             state = attn_res.add(state, y)
             h = self.ffn_res_mix(state)
-        y, router = self._ffn(h, ctx)
+        y, router = self._ffn(h, ctx, lora_key)
         with jax.named_scope("attn_res"):
             return attn_res.add(state, y), LayerStats(router, max_logits), cache
 
@@ -184,7 +196,7 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["positions", "segment_ids", "token_valid", "cache_index", "kv_valid"],
+                   data_fields=["positions", "segment_ids", "token_valid", "cache_index", "kv_valid", "lora_key"],
                    meta_fields=["max_logits"])
 @dataclasses.dataclass(frozen=True)
 class _Context:
@@ -196,6 +208,7 @@ class _Context:
     cache_index: jax.Array | None  # [] first cache slot written by this call
     kv_valid: jax.Array | None  # [B, S] valid cache slots after this call
     max_logits: bool = False  # static: MLA layers also return their max logit per head (QK-clip)
+    lora_key: jax.Array | None = None  # dropout key of the LoRA adapters' inputs (training); None: no dropout
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -234,6 +247,7 @@ class K3Model(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.lora_config: LoRAConfig | None = None  # set by add_lora
         self.plan = plan = plan_layers(cfg)
         pd = jnp.dtype(cfg.param_dtype)
         self.embed = normal(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.init_std, pd)
@@ -301,11 +315,13 @@ class K3Model(nnx.Module):
     def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None, cache: ModelCache | None = None,
                 token_valid: jax.Array | None = None, images: VisionInputs | jax.Array | None = None,
-                max_logits: bool = False) -> tuple[jax.Array, ModelCache | None, ForwardStats]:
+                max_logits: bool = False,
+                lora_key: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, ForwardStats]:
         """Like ``__call__``, plus the statistics the train step uses (``ForwardStats``, keyed by layer
         index): the Quantile Balancing statistics of every MoE layer (``quantile_balancing.apply``)
         and, with ``max_logits=True`` (QK-clip, training only), every MLA layer's largest
-        pre-softmax logit per head over the batch."""
+        pre-softmax logit per head over the batch. ``lora_key`` (a LoRA train step with
+        ``train.lora.dropout > 0``): the key the adapters' input dropout draws from."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
@@ -325,7 +341,7 @@ class K3Model(nnx.Module):
                              else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape))
             if token_valid is None and segment_ids is not None:
                 token_valid = segment_ids != 0
-            ctx = _Context(positions, segment_ids, token_valid, None, None, max_logits)
+            ctx = _Context(positions, segment_ids, token_valid, None, None, max_logits, lora_key)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids (document packing) is for training; with a cache mark left "
@@ -336,7 +352,7 @@ class K3Model(nnx.Module):
             if positions is None:
                 positions = jnp.maximum(cache.positions[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
             kv_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.length, axis=1)
-            ctx = _Context(positions, None, valid, cache.length, kv_valid)
+            ctx = _Context(positions, None, valid, cache.length, kv_valid, lora_key=lora_key)
         plan = self.plan
         layer_caches = cache if cache is not None else ModelCache(
             (None,) * len(plan.prefix), None, (None,) * len(plan.suffix), None, None, None)
@@ -387,6 +403,24 @@ class K3Model(nnx.Module):
             router={i: stats[i].router for i in layers if stats[i].router is not None},
             max_logits={i: stats[i].max_logits for i in layers if stats[i].max_logits is not None})
 
+    def add_lora(self, cfg: LoRAConfig, rngs: nnx.Rngs) -> None:
+        """Attach LoRA adapters (``k3jax.layers.lora``) to the projections ``cfg.targets`` names, in place;
+        the model's own weights are untouched (the same seed gives the same base with or without them)."""
+        if self.lora_config is not None:
+            raise ValueError("this model already has LoRA adapters")
+        with _no_eager_sharding():
+            for layer, _ in self.layer_modules():
+                for module, kind in layer.lora_modules():
+                    lora.attach(module, cfg.sites(kind), cfg, rngs)
+        self.lora_config = cfg
+
+    def merge_lora(self) -> None:
+        """Fold the adapters into the weights they adapt (``W + s A B``) and drop them, in place."""
+        for layer, _ in self.layer_modules():
+            for module, _ in layer.lora_modules():
+                lora.merge(module)
+        self.lora_config = None
+
     def layer_modules(self) -> list[tuple[DecoderLayer, tuple[int, ...]]]:
         """Every ``DecoderLayer`` module with the model layers it holds: one layer for an unrolled
         module, one per group (axis 0 of its leaves) for a slot of the stacked groups."""
@@ -429,10 +463,14 @@ def create_model(cfg: ModelConfig, *, seed: int = 0) -> K3Model:
         return K3Model(cfg, rngs=nnx.Rngs(seed))
 
 
-def abstract_model(cfg: ModelConfig) -> K3Model:
-    """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes, nothing allocated."""
+def abstract_model(cfg: ModelConfig, *, lora: LoRAConfig | None = None) -> K3Model:
+    """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes, nothing allocated (with LoRA
+    adapters when ``lora`` is enabled)."""
     with _no_eager_sharding(), abstract_init():
-        return K3Model(cfg, rngs=nnx.Rngs(0))
+        model = K3Model(cfg, rngs=nnx.Rngs(0))
+        if lora is not None and lora.enabled:
+            model.add_lora(lora, nnx.Rngs(0))
+        return model
 
 
 def unroll_layers(model: K3Model) -> K3Model:
@@ -445,7 +483,7 @@ def unroll_layers(model: K3Model) -> K3Model:
     """
     if model.groups is None:
         return model
-    unrolled = abstract_model(dataclasses.replace(model.cfg, scan_layers=False))
+    unrolled = abstract_model(dataclasses.replace(model.cfg, scan_layers=False), lora=model.lora_config)
     layers, plan = unrolled.prefix, model.plan  # the unrolled model's layers are all in its prefix
     for layer, i in [*zip(model.prefix, plan.prefix), *zip(model.suffix, plan.suffix)]:
         nnx.update(layers[i], nnx.state(layer))

@@ -488,6 +488,17 @@ def make_optimizer(cfg: OptimConfig, model, total_steps: int) -> optax.GradientT
     return optax.chain(*parts)
 
 
+def make_lora_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """The optimizer of a LoRA run (``train.lora.rank > 0``): ``clip_by_global_norm -> AdamW`` over the
+    adapters, what PEFT users expect (HF's trainer), whatever ``cfg.optimizer``: ``adam_learning_rate``
+    (else ``learning_rate``), ``adam_b1 / b2 / eps``, the schedule, and ``weight_decay`` on every adapter
+    factor (HF's trainer decays all but biases and norms). Muon's settings play no part."""
+    peak = cfg.adam_learning_rate if cfg.adam_learning_rate is not None else cfg.learning_rate
+    adam = optax.adamw(learning_rate_schedule(cfg, total_steps, peak=peak), b1=cfg.adam_b1, b2=cfg.adam_b2,
+                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adam) if cfg.grad_clip > 0 else adam
+
+
 # ---------------------------------------------------------------------------------------------
 # QK-clip (Kimi K2 MuonClip) for MLA heads
 
@@ -550,6 +561,6 @@ def qk_clip(model: nnx.Module, max_logits: dict[int, jax.Array], tau: float) -> 
         raise KeyError(f"qk_clip: no layers {sorted(unused)} in this model")
 
 
-__all__ = ["MDN", "classify", "group_table", "learning_rate_schedule", "make_optimizer",
+__all__ = ["MDN", "classify", "group_table", "learning_rate_schedule", "make_lora_optimizer", "make_optimizer",
            "muon_dimension_numbers", "normalize_path", "param_group", "qk_clip", "qk_clip_gamma", "qk_clip_mla",
            "scale_by_consistent_rms", "scale_by_grouped_muon"]

@@ -15,32 +15,54 @@ from flax import nnx
 from k3jax import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
+from k3jax.layers.lora import LoRAParam
 from k3jax.model import ForwardStats, K3Model, abstract_model, create_model
-from k3jax.optim import cast_muon_group, make_optimizer, qk_clip
+from k3jax.optim import cast_muon_group, make_lora_optimizer, make_optimizer, qk_clip
 from k3jax.sharding import state_shardings
 
 
-class TrainState(nnx.Module):
-    """The model, its optimizer state and the step counter."""
+# The random stream of the LoRA adapters' initialisation (folded into train.seed): apart from the model's,
+# so a LoRA run's base is the same with or without adapters.
+LORA_INIT_STREAM = 1
+# ... and of their input dropout (folded with the optimizer step and the micro-batch).
+LORA_DROPOUT_STREAM = 2
 
-    def __init__(self, model: K3Model, tx: optax.GradientTransformation):
+
+class TrainState(nnx.Module):
+    """The model, its optimizer state and the step counter. ``wrt``: the variables that train
+    (``nnx.Param``; only the adapters, ``LoRAParam``, in a LoRA run)."""
+
+    def __init__(self, model: K3Model, tx: optax.GradientTransformation, wrt=nnx.Param):
         self.model = model
-        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.optimizer = nnx.Optimizer(model, tx, wrt=wrt)
         self.skipped = nnx.Variable(jnp.zeros((), jnp.int32))  # updates skipped by the NaN guard
+
+
+def trainable(cfg: Config):
+    """The variable type a run differentiates and optimizes: ``LoRAParam`` in a LoRA run, else ``nnx.Param``."""
+    return LoRAParam if cfg.train.lora.enabled else nnx.Param
+
+
+def new_train_state(cfg: Config, model: K3Model) -> TrainState:
+    """The ``TrainState`` of ``model`` (with its adapters in a LoRA run) and a fresh optimizer state."""
+    tc = cfg.train
+    tx = (make_lora_optimizer(tc.optim, tc.steps) if tc.lora.enabled
+          else make_optimizer(tc.optim, model, tc.steps))
+    return TrainState(model, tx, wrt=trainable(cfg))
 
 
 def abstract_train_state(cfg: Config, model: K3Model | None = None):
     """``(graphdef, state)`` of a ``TrainState`` whose leaves are ShapeDtypeStructs (with the
-    Variables' logical axis metadata): the model from ``abstract_model`` and the optimizer state from
-    ``jax.eval_shape`` of the optimizer's init. Nothing is allocated."""
-    model = abstract_model(cfg.model) if model is None else model
+    Variables' logical axis metadata): the model from ``abstract_model`` (with the adapters of a LoRA run)
+    and the optimizer state from ``jax.eval_shape`` of the optimizer's init. Nothing is allocated."""
+    model = abstract_model(cfg.model, lora=cfg.train.lora) if model is None else model
     model_def, model_state = nnx.split(model)
     out = {}
 
     def build(state):
         m = nnx.merge(model_def, state)
         with nnx.use_eager_sharding(False):  # shardings come from the rules, not from eager placement
-            ts = TrainState(m, make_optimizer(cfg.train.optim, m, cfg.train.steps))
+            ts = new_train_state(cfg, m)
         out["graphdef"], ts_state = nnx.split(ts)
         return ts_state
 
@@ -62,8 +84,11 @@ def init_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Trai
 
     def build():
         model = create_model(cfg.model, seed=cfg.train.seed)
+        if cfg.train.lora.enabled:
+            key = jax.random.fold_in(jax.random.key(cfg.train.seed), LORA_INIT_STREAM)
+            model.add_lora(cfg.train.lora, nnx.Rngs(params=key))
         with nnx.use_eager_sharding(False):
-            return TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
+            return new_train_state(cfg, model)
 
     graphdef, abstract = abstract_train_state(cfg)
     if mesh is None:
@@ -133,15 +158,23 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     nll per counted token), ``grad_norm`` (before clipping), ``tokens``, ``finite`` (False: the
     update was skipped), ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the
     order of :func:`expert_imbalance_layers`, measured with the bias this step routed with).
+
+    A LoRA run (``train.lora.rank > 0``) differentiates and updates only the adapters; the model's weights
+    and its router biases stay as loaded (Quantile Balancing is off: the bias belongs to the base, and a
+    PEFT adapter could not carry a changed one). Its input dropout draws from ``train.seed``, the
+    optimizer step and the micro-batch, so a resumed run repeats it.
     """
     accum, z_loss, grad_dtype = cfg.train.grad_accum, cfg.train.z_loss, jnp.dtype(cfg.train.grad_dtype)
     top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
     tau = cfg.train.optim.qk_clip_tau  # > 0: QK-clip of the MLA heads after every update
+    lora = cfg.train.lora
+    wrt_type = trainable(cfg)
+    update_router_bias = balancing == "quantile" and not lora.enabled
 
-    def micro_loss(params, rest, model_def, mb):
+    def micro_loss(params, rest, model_def, mb, lora_key):
         model = nnx.merge(model_def, params, rest)
         logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
-                                         images=vision_batch(mb), max_logits=tau > 0)
+                                         images=vision_batch(mb), max_logits=tau > 0, lora_key=lora_key)
         with jax.named_scope("lm_head_loss"):
             total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
         return total, (count, nll, stats)
@@ -153,18 +186,25 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings)
     def step(state, batch):
         ts = nnx.merge(graphdef, state)
-        model_def, params, rest = nnx.split(ts.model, nnx.Param, ...)
+        model_def, params, rest = nnx.split(ts.model, wrt_type, ...)
 
         # train.grad_dtype: the matrices differentiated (and their gradients accumulated) in that dtype
         wrt = params if grad_dtype == jnp.float32 else cast_muon_group(params, grad_dtype)
+        step_key = None
+        if lora.enabled and lora.dropout > 0:
+            step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), LORA_DROPOUT_STREAM),
+                                          ts.optimizer.step[...])
 
-        def body(carry, mb):
+        def body(carry, xs):
+            mb, i = xs
             g_acc, count_acc, nll_acc = carry
-            g, (count, nll, stats) = grad_fn(wrt, rest, model_def, mb)
+            key = None if step_key is None else jax.random.fold_in(step_key, i)
+            g, (count, nll, stats) = grad_fn(wrt, rest, model_def, mb, key)
             return (jax.tree.map(jnp.add, g_acc, g), count_acc + count, nll_acc + nll), stats
 
         zeros = jax.tree.map(jnp.zeros_like, wrt)
-        (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0), _micro_batches(batch, accum))
+        (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0),
+                                                  (_micro_batches(batch, accum), jnp.arange(accum)))
         stats = _pool_micro_batches(stats)
         grads = jax.tree.map(lambda g: (g / jnp.maximum(count, 1.0)).astype(g.dtype), grads)
         loss = nll / jnp.maximum(count, 1.0)
@@ -175,7 +215,7 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
             ts_ = nnx.merge(graphdef, ts_state)
             with jax.named_scope("optimizer"):  # Newton-Schulz inside has its own scope
                 ts_.optimizer.update(ts_.model, grads)
-            if balancing == "quantile":
+            if update_router_bias:
                 with jax.named_scope("quantile_balancing"):
                     qb.apply(ts_.model, stats.router, top_k)
             if tau > 0:

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.layers.initializers import cast, normal
+from k3jax.layers import lora
+from k3jax.layers.initializers import normal
 from k3jax.ops.activations import glu
 from k3jax.sharding import constrain_activation
 
@@ -24,10 +25,10 @@ class GatedFFN(nnx.Module):
         self.w_up = normal(rngs, (d, hidden), ("embed", "mlp"), std, pd)
         self.w_down = normal(rngs, (hidden, d), ("mlp", "embed"), std, pd)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x ``[B, T, d]`` -> ``[B, T, d]``."""
-        x = x.astype(self.dtype)
-        gate = constrain_activation(jnp.einsum("btd,df->btf", x, cast(self.w_gate, self.dtype)), HIDDEN_AXES)
-        up = constrain_activation(jnp.einsum("btd,df->btf", x, cast(self.w_up, self.dtype)), HIDDEN_AXES)
+    def __call__(self, x: jax.Array, *, lora_key: jax.Array | None = None) -> jax.Array:
+        """x ``[B, T, d]`` -> ``[B, T, d]``. ``lora_key``: the dropout key of the adapters' inputs (training)."""
+        x, dt = x.astype(self.dtype), self.dtype
+        gate = constrain_activation(lora.project(self, "w_gate", x, "btd,df->btf", dt, lora_key), HIDDEN_AXES)
+        up = constrain_activation(lora.project(self, "w_up", x, "btd,df->btf", dt, lora_key), HIDDEN_AXES)
         h = constrain_activation(glu(gate, up, self.activation, self.beta, self.linear_beta), HIDDEN_AXES)
-        return jnp.einsum("btf,fd->btd", h, cast(self.w_down, self.dtype))
+        return lora.project(self, "w_down", h, "btf,fd->btd", dt, lora_key)

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.cache import KDACache
 from k3jax.config import ModelConfig
+from k3jax.layers import lora
 from k3jax.layers.initializers import cast, constant, normal, param, uniform
 from k3jax.ops.conv import causal_conv1d
 from k3jax import kernels
@@ -88,11 +89,13 @@ class KDA(nnx.Module):
         return jax.nn.silu(y).reshape(b, t, h, k), conv_state
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, cache: KDACache | None = None,
-                 token_valid: jax.Array | None = None) -> tuple[jax.Array, KDACache | None]:
+                 token_valid: jax.Array | None = None,
+                 lora_key: jax.Array | None = None) -> tuple[jax.Array, KDACache | None]:
         """x ``[B, T, d]`` -> (``[B, T, d]``, updated cache or None).
 
         Packed documents (segment_ids ``[B, T]``) are isolated. With a ``cache`` the layer continues
         from its state; ``token_valid [B, T]`` marks left padding, which leaves the state untouched.
+        ``lora_key``: the dropout key of the adapters' inputs (training).
         """
         c, dt = self.cfg, self.dtype
         x = x.astype(dt)
@@ -104,18 +107,18 @@ class KDA(nnx.Module):
         halo = max(c.conv_size - 1, 1)
         sequence_parallel = cache is None and seq_parallel.sequence_shards(x.shape[1], halo) > 1
 
-        def proj(w):
-            return jnp.einsum("btd,dhk->bthk", x, cast(w, dt))
+        def proj(name):
+            return lora.project(self, name, x, "btd,dhk->bthk", dt, lora_key)
 
         cq, ck, cv = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
-        q, cq = self._short_conv(proj(self.q_proj), self.q_conv if conv else None, segment_ids, cq,
+        q, cq = self._short_conv(proj("q_proj"), self.q_conv if conv else None, segment_ids, cq,
                                   sequence_parallel)
-        k, ck = self._short_conv(proj(self.k_proj), self.k_conv if conv else None, segment_ids, ck,
+        k, ck = self._short_conv(proj("k_proj"), self.k_conv if conv else None, segment_ids, ck,
                                   sequence_parallel)
-        v, cv = self._short_conv(proj(self.v_proj), self.v_conv if conv else None, segment_ids, cv,
+        v, cv = self._short_conv(proj("v_proj"), self.v_conv if conv else None, segment_ids, cv,
                                   sequence_parallel)
         q, k = l2_norm(q), l2_norm(k)
-        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, cast(self.b_proj, dt)).astype(jnp.float32))
+        beta = jax.nn.sigmoid(lora.project(self, "b_proj", x, "btd,dh->bth", dt, lora_key).astype(jnp.float32))
         z = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.f_a, dt)), cast(self.f_b, dt))
         z = z.astype(jnp.float32)
         if c.gate == "lower_bound":
@@ -137,10 +140,11 @@ class KDA(nnx.Module):
                                  initial_state=initial, output_final_state=cache is not None)
         o = rms_norm(checkpoint_name(o, MIXER_OUTPUTS), self.o_norm[...], c.norm_eps)
         if c.output_gate == "full":
-            o = o * jax.nn.sigmoid(proj(self.g_proj).astype(jnp.float32)).astype(dt)
+            o = o * jax.nn.sigmoid(proj("g_proj").astype(jnp.float32)).astype(dt)
         elif c.output_gate == "low_rank":
-            gate = jnp.einsum("btr,rhk->bthk", jnp.einsum("btd,dr->btr", x, cast(self.g_a, dt)), cast(self.g_b, dt))
+            gate = lora.project(self, "g_b", lora.project(self, "g_a", x, "btd,dr->btr", dt, lora_key), "btr,rhk->bthk",
+                                dt, lora_key)
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
-        y = jnp.einsum("bthk,hkd->btd", o.astype(dt), cast(self.o_proj, dt))
+        y = lora.project(self, "o_proj", o.astype(dt), "bthk,hkd->btd", dt, lora_key)
         new_cache = KDACache(state, cq, ck, cv) if cache is not None else None
         return y, new_cache

@@ -52,10 +52,11 @@ class LatentMoE(nnx.Module):
         self.w_down = expert_param(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd, cfg.quant)
         self.shared = GatedFFN(cfg, f * m.num_shared_experts, rngs=rngs) if m.num_shared_experts else None
 
-    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None):
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, lora_key: jax.Array | None = None):
         """x ``[B, T, d]`` -> (``[B, T, d]``, Quantile Balancing statistics or None).
 
         token_mask ``[B, T]`` (True = real token) keeps padding out of the balancing statistics.
+        lora_key: the dropout key of the shared experts' adapters (training).
         """
         b, t, d = x.shape
         m, dt = self.cfg, self.dtype
@@ -82,7 +83,7 @@ class LatentMoE(nnx.Module):
         y = y.reshape(b, t, d)
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared(x)
+                y = y + self.shared(x, lora_key=lora_key)
         stats = None
         if m.balancing == "quantile" and bias is not None:
             with jax.named_scope("quantile_balancing"):

@@ -8,7 +8,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.cache import MLACache
 from k3jax.config import ModelConfig
-from k3jax.layers.initializers import cast, normal
+from k3jax.layers import lora
+from k3jax.layers.initializers import normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
@@ -44,12 +45,12 @@ class MLA(nnx.Module):
         c = self.cfg
         return yarn_softmax_scale(c.qk_head_dim, c.yarn if c.rope == "yarn" else None)
 
-    def _query(self, x):
+    def _query(self, x, key):
         c, dt = self.cfg, self.dtype
         if c.q_lora_rank:
-            cq = self.q_a_norm(jnp.einsum("btd,dr->btr", x, cast(self.q_a, dt)))
-            return jnp.einsum("btr,rhp->bthp", cq, cast(self.q_b, dt))
-        return jnp.einsum("btd,dhp->bthp", x, cast(self.q_proj, dt))
+            cq = self.q_a_norm(lora.project(self, "q_a", x, "btd,dr->btr", dt, key))
+            return lora.project(self, "q_b", cq, "btr,rhp->bthp", dt, key)
+        return lora.project(self, "q_proj", x, "btd,dhp->bthp", dt, key)
 
     def _rope(self, x, positions):
         c = self.cfg
@@ -58,16 +59,16 @@ class MLA(nnx.Module):
         inv_freq, factor = rope_frequencies(c.qk_rope_head_dim, c.rope_theta, c.yarn if c.rope == "yarn" else None)
         return apply_rope(x, positions, inv_freq, factor, c.rope_interleave)
 
-    def _gate_and_project(self, x, o):
+    def _gate_and_project(self, x, o, key):
         c, dt = self.cfg, self.dtype
         if c.output_gate:
-            gate = jnp.einsum("btd,dhv->bthv", x, cast(self.g_proj, dt))
+            gate = lora.project(self, "g_proj", x, "btd,dhv->bthv", dt, key)
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
-        return jnp.einsum("bthv,hvd->btd", o.astype(dt), cast(self.o_proj, dt))
+        return lora.project(self, "o_proj", o.astype(dt), "bthv,hvd->btd", dt, key)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
                  cache: MLACache | None = None, cache_index=None, kv_valid: jax.Array | None = None,
-                 max_logits: bool = False) -> tuple[jax.Array, MLACache | None]:
+                 max_logits: bool = False, lora_key: jax.Array | None = None) -> tuple[jax.Array, MLACache | None]:
         """x ``[B, T, d]``, positions ``[B, T]`` -> (``[B, T, d]``, updated cache or None).
 
         Without a cache: expanded MLA over the T tokens (training, plain prefill). With a cache: the
@@ -75,17 +76,18 @@ class MLA(nnx.Module):
         the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form.
 
         ``max_logits=True`` (no cache; QK-clip) appends a third output: each head's largest
-        pre-softmax logit over the batch ``[H]`` float32 (:func:`head_max_logits`).
+        pre-softmax logit over the batch ``[H]`` float32 (:func:`head_max_logits`). ``lora_key``: the
+        dropout key of the adapters' inputs (training).
         """
         c, dt = self.cfg, self.dtype
         b, t, _ = x.shape
         x = x.astype(dt)
-        q = self._query(x)
+        q = self._query(x, lora_key)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], self._rope(q[..., c.qk_nope_head_dim:], positions)
-        ckv_rope = jnp.einsum("btd,dr->btr", x, cast(self.kv_a, dt))
+        ckv_rope = lora.project(self, "kv_a", x, "btd,dr->btr", dt, lora_key)
         ckv = self.kv_a_norm(ckv_rope[..., : c.kv_lora_rank])
         k_rope = self._rope(ckv_rope[..., None, c.kv_lora_rank:], positions)  # [B, T, 1, R]: shared by heads
-        kv_b = cast(self.kv_b, dt)
+        kv_b = lora.weight(self, "kv_b", dt)  # read as a weight by both attention forms: merged adapter
         if cache is None:
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             kv_latent = jnp.concatenate([ckv, k_rope[:, :, 0]], axis=-1)  # [B, T, r + R]: 576 wide for K3
@@ -94,7 +96,7 @@ class MLA(nnx.Module):
                 o = seq_parallel.mla_attention(self.expanded_attention, q, kv_latent, segment_ids, kv_b)
             else:
                 o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
-            y = self._gate_and_project(x, checkpoint_name(o, MIXER_OUTPUTS))
+            y = self._gate_and_project(x, checkpoint_name(o, MIXER_OUTPUTS), lora_key)
             if not max_logits:
                 return y, None
             # on the whole sequence (GSPMD splits it like any array under a sequence-sharded mesh)
@@ -106,7 +108,7 @@ class MLA(nnx.Module):
         k_rope_all = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype),
                                                          cache_index, axis=1)
         o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
-        return self._gate_and_project(x, o), MLACache(ckv_all, k_rope_all)
+        return self._gate_and_project(x, o, lora_key), MLACache(ckv_all, k_rope_all)
 
     def expanded_attention(self, q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b):
         """Training attention: the latent expanded to per-head keys and values.
