@@ -9,6 +9,7 @@ from typing import Literal
 
 from k3jax.config.fields import check, check_choices, runtime
 from k3jax.quant.formats import DEFAULT_ACTIVATION_SCALE_RULE, DEFAULT_SCALE_RULE, GROUP_SIZE as MX_BLOCK, ScaleRule
+from k3jax.quant.int4 import PER_WORD as INT4_PER_WORD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +150,10 @@ class AttnResConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Microscaling quantization of the routed experts (docs/quantization.md, ``k3jax/quant``).
+    """Quantization of the routed experts: MXFP4 (QAT or packed), INT4 and FP8 kept compressed
+    (docs/quantization.md, ``k3jax/quant``).
 
-    Only the routed experts' w1 / w3 / w2 are quantized, as in the K3 release; attention, the latent
+    Only the routed experts' w1 / w3 / w2 are quantized, as in the K3 and K2 Thinking releases; attention, the latent
     projections, shared experts, dense FFNs and routers stay in ``param_dtype``. Also accepted as a
     top-level ``quant`` section / ``quant.*`` overrides (an alias of ``model.quant``).
     """
@@ -160,7 +162,12 @@ class QuantConfig:
     # fake-quantized values in the forward pass, a straight-through gradient to the high-precision
     # master weights. "mxfp4": deployment, experts held packed (uint8 codes + E8M0 scales, 4.25 bits
     # per weight) and dequantized on the fly in the forward pass; not trainable.
-    experts: Literal["none", "mxfp4_qat", "mxfp4"] = "none"
+    # "int4": Kimi K2 Thinking's compressed-tensors pack-quantized experts held as they are (int32
+    # words of eight signed 4-bit values + a scale per int4_group_size inputs, k3jax/quant/int4.py);
+    # "fp8_block": K2 / DeepSeek-V3 block-scaled FP8 experts held as they are (float8_e4m3fn + a
+    # float32 scale per fp8_block tile, k3jax/quant/fp8_block.py). Both dequantized in the forward
+    # pass, not trainable (docs/quantization.md), like "mxfp4".
+    experts: Literal["none", "mxfp4_qat", "mxfp4", "int4", "fp8_block"] = "none"
     # "mxfp8": the expert matmuls' inputs fake-quantized to MXFP8 E4M3 (per token, blocks of 32 along
     # the contraction axis), with a straight-through gradient in training, as K3 serves them.
     activations: Literal["none", "mxfp8"] = "none"
@@ -169,6 +176,8 @@ class QuantConfig:
     # scale up, AITER's e8m0 rounding), "ocp" (the OCP spec's floor rule; clips block peaks).
     scale_rule: ScaleRule = DEFAULT_SCALE_RULE
     activation_scale_rule: ScaleRule = DEFAULT_ACTIVATION_SCALE_RULE  # MXFP8 inputs: the serving kernels' rule
+    int4_group_size: int = 32  # experts: int4: inputs per scale (quantization_config's weights.group_size)
+    fp8_block: tuple[int, int] = (128, 128)  # experts: fp8_block: [out, in] tile of one scale (weight_block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,13 +293,22 @@ class ModelConfig:
         self.attn_res.validate(f"{prefix}.attn_res")
         if self.vision.enabled:
             self.vision.validate(f"{prefix}.vision", self.vocab_size)
-        quantized = self.quant.experts != "none" or self.quant.activations != "none"
+        q = self.quant
+        check(q.int4_group_size > 0 and q.int4_group_size % INT4_PER_WORD == 0, f"{prefix}.quant.int4_group_size",
+              f"must be a positive multiple of {INT4_PER_WORD} (values per int32 word), got {q.int4_group_size}")
+        check(len(q.fp8_block) == 2 and min(q.fp8_block) > 0, f"{prefix}.quant.fp8_block",
+              f"must be two positive sizes [out, in], got {q.fp8_block}")
+        width = self.moe.latent_dim or self.hidden_size  # the expert input width: w1 / w3 contract over it
+        widths = (("moe.latent_dim" if self.moe.latent_dim else "hidden_size", width),
+                  ("moe.expert_dim", self.moe.expert_dim))  # w2 contracts over the expert width
+        if self.first_dense_layers < self.num_layers and q.experts == "int4":
+            for name, n in widths:
+                check(n % q.int4_group_size == 0, f"{prefix}.{name}", f"must be a multiple of quant.int4_group_size="
+                      f"{q.int4_group_size} with quant.experts='int4', got {n}")
+        quantized = q.experts in ("mxfp4_qat", "mxfp4") or q.activations != "none"
         if self.first_dense_layers < self.num_layers and quantized:
-            # MX blocks run along each expert matmul's contraction axis: the expert input width
-            # (latent or hidden) for w1 / w3, the expert width for w2
-            width = self.moe.latent_dim or self.hidden_size
-            for name, n in (("moe.latent_dim" if self.moe.latent_dim else "hidden_size", width),
-                            ("moe.expert_dim", self.moe.expert_dim)):
+            # MX blocks run along each expert matmul's contraction axis
+            for name, n in widths:
                 check(n % MX_BLOCK == 0, f"{prefix}.{name}", f"must be a multiple of {MX_BLOCK} (the MX block) "
                        f"with quant.experts={self.quant.experts!r} / quant.activations={self.quant.activations!r}, "
                        f"got {n}")

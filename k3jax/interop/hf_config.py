@@ -8,7 +8,14 @@ Supported model types (the config.json of each release):
   ``routed_expert_hidden_size``, ``latent_moe_use_norm``) and weights live under
   ``language_model.``;
 - ``kimi_linear``: Kimi Linear 48B (and text-only K3 derivatives);
-- ``deepseek_v3`` / ``kimi_k2``: the DeepSeek-V3 layout of Kimi K2.
+- ``deepseek_v3`` / ``kimi_k2``: the DeepSeek-V3 layout of Kimi K2;
+- ``kimi_k25``: Kimi K2.5 / K2.6 (transformers' ``kimi_k25``): the K2 text model as ``text_config``
+  (``deepseek_v3``, or ``kimi_k2`` in the hub's files), weights under ``language_model.``, and K2.5's
+  MoonViT as ``vision_config`` (mapped onto k3jax/vision's switches, off unless asked for).
+
+Quantized releases (``quantization_config``): compressed-tensors ``mxfp4-pack-quantized`` (K3's
+experts) and ``pack-quantized`` INT4 (K2 Thinking's experts, ``k3jax.interop.compressed_tensors``),
+DeepSeek block ``fp8`` (K2). They are decoded on load, or kept compressed (``from_hf(keep_quantized=True)``).
 
 Every field that changes the maths is either mapped or refused with a :class:`HFConfigError`
 that names it; fields without effect on the forward pass (token ids, ``use_cache``, ...) are
@@ -25,8 +32,19 @@ from typing import Any
 
 from k3jax.config import ModelConfig, from_dict, parse_overrides, without_runtime_fields
 from k3jax.config.loading import merge_nested
+from k3jax.interop.compressed_tensors import CompressedTensorsError, PackQuantized, parse_config
+from k3jax.interop.hf_names import DEEPSEEK_TYPES
 
-MODEL_TYPES = ("kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2")
+MODEL_TYPES = ("kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2", "kimi_k25")
+# K2.5's MoonViT in the release vision_config's terms (k3jax.vision.weights.vision_config_from_hf): the
+# switches that tell it from K3's MoonViT-V2 (VisionConfig's docstring), and transformers' names of its widths
+K25_VISION_SWITCHES = {"norm_type": "layernorm", "attn_bias": True, "pos_emb_interpolation_mode": "bicubic",
+                       "mm_projector_type": "patchmerger"}
+K25_VISION_KEYS = {"hidden_size": "vt_hidden_size", "num_attention_heads": "vt_num_attention_heads",
+                   "num_hidden_layers": "vt_num_hidden_layers", "intermediate_size": "vt_intermediate_size",
+                   "pos_emb_height": "init_pos_emb_height", "pos_emb_width": "init_pos_emb_width"}
+K25_VISION_DEFAULTS = {"vt_hidden_size": 1152, "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27,
+                       "vt_intermediate_size": 4304, "init_pos_emb_height": 64, "init_pos_emb_width": 64}
 # MLA's q_a_layernorm / kv_a_layernorm: the HF modeling code (kimi_linear, deepseek_v3, K3's
 # release code) constructs them without an eps argument, i.e. the RMSNorm default.
 HF_MLA_NORM_EPS = 1e-6
@@ -47,7 +65,8 @@ class HFInfo:
     model_type: str
     weight_prefix: str = ""  # "language_model." for the multimodal kimi_k3 release (detected from keys)
     mxfp4: bool = False  # routed experts stored as compressed-tensors mxfp4-pack-quantized
-    fp8_block: tuple[int, int] | None = None  # DeepSeek-style fp8 block quantization (dequantized on load)
+    fp8_block: tuple[int, int] | None = None  # DeepSeek-style fp8 block quantization
+    int4: PackQuantized | None = None  # compressed-tensors pack-quantized INT4 weights
     num_mtp_layers: int = 0  # next-token-prediction modules present in the checkpoint (skipped)
     has_vision: bool = False  # vision_config present (vision weights are skipped)
     extra: dict = dataclasses.field(default_factory=dict)  # carried keys (token ids, ...)
@@ -91,7 +110,7 @@ def _layout_fields(n: int, mla: set[int]) -> dict:
 
 def _mla_layers(t: dict, n: int, model_type: str) -> set[int]:
     """0-based indices of the full-attention (MLA) layers."""
-    if model_type in ("deepseek_v3", "kimi_k2"):
+    if model_type in DEEPSEEK_TYPES:
         return set(range(n))
     lac = t.get("linear_attn_config") or {}
     if "full_attn_layers" in lac or "kda_layers" in lac:
@@ -170,6 +189,12 @@ def _quantization(q: dict | None, info: HFInfo) -> None:
         return
     method = q.get("quant_method")
     fmt = q.get("format")
+    if method == "compressed-tensors" and fmt == "pack-quantized":
+        try:
+            info.int4 = parse_config(q)
+        except CompressedTensorsError as err:
+            raise HFConfigError(str(err)) from None
+        return
     if method == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
         for name, group in (q.get("config_groups") or {}).items():
             w = (group or {}).get("weights") or {}
@@ -189,7 +214,7 @@ def _quantization(q: dict | None, info: HFInfo) -> None:
         info.fp8_block = (int(block[0]), int(block[1]))
         return
     _refuse("quantization_config", f"quant_method={method!r} format={fmt!r} is not supported (supported: "
-            "compressed-tensors mxfp4-pack-quantized, fp8 block-wise)")
+            "compressed-tensors mxfp4-pack-quantized and pack-quantized (INT4), fp8 block-wise)")
 
 
 def config_from_hf(hf: dict, *, dtype: str | None = None, overrides=()) -> tuple[ModelConfig, HFInfo]:
@@ -201,13 +226,14 @@ def config_from_hf(hf: dict, *, dtype: str | None = None, overrides=()) -> tuple
     mt = model_type_of(hf)
     info = HFInfo(model_type=mt)
     t = hf
-    if mt == "kimi_k3":
+    if mt in ("kimi_k3", "kimi_k25"):
         if not isinstance(hf.get("text_config"), dict):
-            _refuse("text_config", "a kimi_k3 config needs a text_config mapping")
+            _refuse("text_config", f"a {mt} config needs a text_config mapping")
         t = hf["text_config"]
         info.has_vision = bool(hf.get("vision_config"))
-        if t.get("model_type", "kimi_linear") != "kimi_linear":
-            _refuse("text_config.model_type", f"expected 'kimi_linear', got {t.get('model_type')!r}")
+        text_types = ("kimi_linear",) if mt == "kimi_k3" else ("deepseek_v3", "kimi_k2")
+        if t.get("model_type", text_types[0]) not in text_types:
+            _refuse("text_config.model_type", f"expected {' or '.join(map(repr, text_types))}, got {t.get('model_type')!r}")
     for k in _CARRIED_KEYS:
         if k in hf:
             info.extra[k] = hf[k]
@@ -321,18 +347,39 @@ def config_from_hf(hf: dict, *, dtype: str | None = None, overrides=()) -> tuple
         model["mla"] = mla
     if moe:
         model["moe"] = moe
+    if info.int4 is not None:  # what from_hf(keep_quantized=True) holds the experts with
+        model["quant"] = {"int4_group_size": info.int4.group_size}
+    elif info.fp8_block is not None:
+        model["quant"] = {"fp8_block": list(info.fp8_block)}
     if info.has_vision:  # mapped but off: a text model unless overrides say vision.enabled=true
         from k3jax.vision.weights import vision_config_from_hf
 
-        model["vision"] = {**vision_config_from_hf(hf["vision_config"], d), "enabled": False,
+        vc = hf["vision_config"] if mt == "kimi_k3" else _k25_vision_config(hf)
+        model["vision"] = {**vision_config_from_hf(vc, d), "enabled": False,
                            "media_pad_id": int(hf.get("media_placeholder_token_id", 163605))}
     if dtype is not None:
         model["dtype"] = model["param_dtype"] = _dtype_name(dtype)
     cfg = _build(model, overrides)
     if info.has_vision and not cfg.vision.enabled:
-        warnings.warn("kimi_k3 vision_config: the vision tower and projector are not loaded (text model only; "
+        warnings.warn(f"{mt} vision_config: the vision tower and projector are not loaded (text model only; "
                       "pass overrides=['vision.enabled=true'] to load them)", stacklevel=2)
     return cfg, info
+
+
+def _k25_vision_config(hf: dict) -> dict:
+    """A kimi_k25 ``vision_config`` (transformers' key names, or the release's ``vt_*`` ones) -> the release
+    vision_config that ``vision_config_from_hf`` reads, with K2.5's switches and its projector eps."""
+    vc = dict(hf["vision_config"])
+    for name, release in K25_VISION_KEYS.items():
+        if name in vc:
+            vc.setdefault(release, vc[name])
+    for key, value in {**K25_VISION_DEFAULTS, **K25_VISION_SWITCHES}.items():
+        vc.setdefault(key, value)
+    if hf.get("projection_hidden_size") not in (None, vc["vt_hidden_size"]):
+        _refuse("projection_hidden_size", f"the patchmerger pre-norm is as wide as the tower ({vc['vt_hidden_size']}), "
+                f"got {hf['projection_hidden_size']}")
+    vc.setdefault("projector_ln_eps", float(hf.get("projection_layer_norm_eps", 1e-5)))
+    return vc
 
 
 def _dtype_name(dtype) -> str:
@@ -377,6 +424,7 @@ def check_exportable(cfg: ModelConfig, model_type: str) -> None:
         need(cfg.kda.conv_size > 0, "kda.conv_size", "the HF layer always has the short convolution")
         need(cfg.kda.gate_rank in (0, cfg.kda.head_dim), "kda.gate_rank", "the HF gate rank is head_dim")
         need(cfg.kda.output_gate != "none", "kda.output_gate", "the HF layer always has an output gate")
+    need(model_type != "kimi_k25", "model_type", "kimi_k25 is read, not written: export the text model as kimi_k2")
     if model_type in ("deepseek_v3", "kimi_k2"):
         need(not uses_kda, "layout", "DeepSeek-V3 has MLA layers only")
         need(cfg.mla.rope in ("rope", "yarn"), "mla.rope", "DeepSeek-V3 always rotates the rope dims")

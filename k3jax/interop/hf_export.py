@@ -111,6 +111,9 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     variables = model_variables(model)
+    if cfg.quant.experts in ("int4", "fp8_block"):
+        raise ValueError(f"the model holds its routed experts as {cfg.quant.experts} (quant.experts); to_hf writes "
+                         "dense or MXFP4 experts: load the checkpoint without keep_quantized to export it")
     packed_leaves = cfg.quant.experts == "mxfp4"
     mxfp4_rule = cfg.quant.scale_rule if mxfp4_rule is None else mxfp4_rule
     if mxfp4_experts is None:

@@ -7,6 +7,7 @@ block (:mod:`k3jax.interop.hf_names`) and written straight into its device array
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -17,17 +18,21 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.interop import mxfp4
+from k3jax.interop import compressed_tensors, mxfp4
 from k3jax.interop.hf_config import HFInfo, carry_config, config_from_hf
 from k3jax.interop.hf_names import LANGUAGE_MODEL_PREFIX, LAYER_RE, SKIPPED, Binding, bindings, canonical_name, \
     hf_to_block, split_part
-from k3jax.interop.model_leaves import Path, logical_shape, model_variables, packed_parts
+from k3jax.interop.model_leaves import Path, logical_shape, model_variables
 from k3jax.interop.placement import PackedPlacer, as_rules, placer_for
 from k3jax.interop.progress import progress_bar
 from k3jax.interop.safetensors_io import SafetensorsFile
 from k3jax.model import K3Model, abstract_model
+from k3jax.quant.fp8_block import FP8BlockWeight, scale_shape as fp8_scale_shape
+from k3jax.quant.int4 import Int4Weight
+from k3jax.quant.storage import QuantizedWeight
 from k3jax.vision.weights import is_vision_tensor, load_vision, official_names
 
 
@@ -57,12 +62,31 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, list[str]]:
 _FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
-def _dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """DeepSeek block fp8: ``W = fp8 * scale_inv`` broadcast over ``block`` tiles."""
+def _check_fp8_scale(name: str, w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> None:
+    want = fp8_scale_shape(w.shape, block)
+    if w.ndim != 2 or tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name}_scale_inv: shape {tuple(scale_inv.shape)} does not fit its weight {tuple(w.shape)} "
+                         f"with weight_block_size {list(block)} (expected {want})")
+
+
+def _dequant_fp8(name: str, w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """DeepSeek block fp8: ``W = fp8 * scale_inv`` broadcast over ``block`` tiles (edge tiles partial)."""
+    _check_fp8_scale(name, w, scale_inv, block)
     bo, bi = block
     out, inn = w.shape
     s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:out, :inn]
     return w.astype(np.float32) * s
+
+
+def _kept_format(info: HFInfo, path) -> str:
+    """The ``quant.experts`` value holding a checkpoint's quantized routed experts as they are stored."""
+    if info.mxfp4:
+        return "mxfp4"
+    if info.int4 is not None:
+        return "int4"
+    if info.fp8_block is not None:
+        return "fp8_block"
+    raise ValueError(f"{path}: keep_quantized=True, but config.json has no quantization_config (nothing is compressed)")
 
 
 def load_hf_config(path: str | os.PathLike, *, dtype=jnp.float32, overrides=()) -> tuple[ModelConfig, HFInfo]:
@@ -71,8 +95,11 @@ def load_hf_config(path: str | os.PathLike, *, dtype=jnp.float32, overrides=()) 
 
 
 def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, rules=None,
-            keep_mxfp4: bool = False, overrides: Sequence[str] = (), progress: bool = False) -> K3Model:
-    """Load a local Hugging Face checkpoint (``kimi_k3``, ``kimi_linear``, ``deepseek_v3``, ``kimi_k2``).
+            keep_mxfp4: bool = False, keep_quantized: bool = False, overrides: Sequence[str] = (),
+            progress: bool = False) -> K3Model:
+    """Load a local Hugging Face checkpoint (``kimi_k3``, ``kimi_linear``, ``deepseek_v3``, ``kimi_k2``,
+    ``kimi_k25``; quantized releases: MXFP4 / INT4 (compressed-tensors) / block FP8 weights are decoded
+    to ``dtype`` on load unless kept compressed).
 
     - ``dtype``: parameter and compute dtype (float32 or bfloat16); the leaves k3jax always keeps in
       float32 (router, A_log, dt_bias, router bias) stay float32.
@@ -85,6 +112,12 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
       :class:`~k3jax.quant.packed.MXFP4Weight` modules holding the checkpoint's bytes (4.25 bits per
       weight) that the forward pass dequantizes on the fly; ``to_hf`` writes them back byte for byte.
       Dense experts in the checkpoint are then quantized with ``quant.scale_rule``.
+    - ``keep_quantized``: the routed experts stay in the checkpoint's compressed format, whichever it is
+      (``quant.experts`` = ``mxfp4``, ``int4`` for compressed-tensors pack-quantized INT4 with the
+      config's group size, ``fp8_block`` for DeepSeek fp8 with its ``weight_block_size``), dequantized
+      in the forward pass; their storage is never trained (``k3jax.quant.storage``). Everything else
+      (attention, shared experts, dense MLPs) is decoded to ``dtype``. The INT4 scales are stored in
+      the parameter dtype.
     - ``overrides``: dotted ``key=value`` strings for the model config (``"kda.chunk_size=16"``).
     - ``progress``: show a tqdm bar.
 
@@ -95,6 +128,9 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     path = pathlib.Path(path)
     cfg, info = load_hf_config(path, dtype=dtype,
                                overrides=[*overrides, *(["quant.experts=mxfp4"] if keep_mxfp4 else [])])
+    if keep_quantized:
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, experts=_kept_format(info, path)))
+        cfg.validate()
     keep_mxfp4 = cfg.quant.experts == "mxfp4"  # the packed structure, however it was asked for
     files = checkpoint_files(path)
     all_names = [n for names in files.values() for n in names]
@@ -102,6 +138,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
         info.weight_prefix = LANGUAGE_MODEL_PREFIX
     model = abstract_model(cfg)
     variables = model_variables(model)
+    compressed = {tuple(p): m for p, m in nnx.iter_graph(model) if isinstance(m, QuantizedWeight)}
     expected = bindings(cfg, model.plan, info.model_type, info.weight_prefix)
     by_name: dict[str, Binding] = {}
     for bnd in expected:
@@ -114,13 +151,22 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
 
     def placer(bnd: Binding):
         if bnd.leaf not in placers:
-            parts = packed_parts(variables, bnd.leaf)
-            placers[bnd.leaf] = placer_for(variables[bnd.leaf], mesh, table) if parts is None else \
-                PackedPlacer(*(placer_for(v, mesh, table) for v in parts))
+            if bnd.leaf in compressed:  # one placer per storage variable of the compressed weight
+                n = len(bnd.leaf)
+                placers[bnd.leaf] = PackedPlacer({p[n]: placer_for(v, mesh, table) for p, v in variables.items()
+                                                  if len(p) == n + 1 and p[:n] == bnd.leaf})
+            else:
+                placers[bnd.leaf] = placer_for(variables[bnd.leaf], mesh, table)
         return placers[bnd.leaf]
 
     def block_shape(bnd: Binding):
-        return logical_shape(variables, bnd.leaf)[len(bnd.index):]
+        shape = compressed[bnd.leaf].shape if bnd.leaf in compressed else logical_shape(variables, bnd.leaf)
+        return shape[len(bnd.index):]
+
+    def put_compressed(bnd: Binding, **parts: np.ndarray) -> None:
+        p = placer(bnd)
+        for name, value in parts.items():
+            p.parts[name].put(bnd.index, value)
 
     seen: set[str] = set()
     vision_tensors: dict[str, np.ndarray] = {}
@@ -136,13 +182,31 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
         if bnd is None:
             unexpected.append(base)
             return True
-        if "packed" in parts or "scale" in parts:
+        held = compressed.get(bnd.leaf)
+        module = base.removesuffix(".weight")
+        if info.int4 is not None and parts.keys() & {"packed", "scale", "shape"}:
+            if not {"packed", "scale", "shape"} <= parts.keys():
+                return False
+            if not info.int4.quantizes(module):
+                ignored = info.int4.ignored_by(module)
+                why = f"its ignore list names it ({ignored!r})" if ignored else "its targets do not name it"
+                raise ValueError(f"{module}: stored as INT4 (weight_packed), but quantization_config {why}")
+            g = info.int4.group_size
+            if isinstance(held, Int4Weight):
+                compressed_tensors.check_shapes(module, parts["packed"], parts["scale"], parts["shape"], g)
+                out_in = tuple(int(s) for s in parts["shape"])
+                if out_in[::-1] != tuple(block_shape(bnd)):
+                    raise ValueError(f"{module}: weight_shape {list(out_in)} does not fit k3jax leaf "
+                                     f"{'.'.join(map(str, bnd.leaf))} slice {block_shape(bnd)} (as [out, in])")
+                put_compressed(bnd, packed=parts["packed"], scale=parts["scale"])
+                seen.add(key)
+                return True
+            value = compressed_tensors.decode(module, parts["packed"], parts["scale"], parts["shape"], g)
+        elif "packed" in parts or "scale" in parts:
             if "packed" not in parts or "scale" not in parts:
                 return False
             if keep_mxfp4 and bnd.expert:
-                p = placer(bnd)
-                p.packed.put(bnd.index, parts["packed"])
-                p.scale.put(bnd.index, parts["scale"])
+                put_compressed(bnd, packed=parts["packed"], scale=parts["scale"])
                 seen.add(key)
                 return True
             value = mxfp4.decode(parts["packed"], parts["scale"], np.float32)
@@ -155,7 +219,18 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
                     return False
                 if info.fp8_block is None:
                     raise ValueError(f"{base}: float8 weight but config.json has no fp8 quantization_config")
-                value = _dequant_fp8(value, parts["scale_inv"], info.fp8_block)
+                if isinstance(held, FP8BlockWeight):
+                    _check_fp8_scale(base, value, parts["scale_inv"], info.fp8_block)
+                    if value.shape[::-1] != tuple(block_shape(bnd)):
+                        raise ValueError(f"{base}: shape {tuple(value.shape)} does not fit k3jax leaf "
+                                         f"{'.'.join(map(str, bnd.leaf))} slice {block_shape(bnd)} (as [out, in])")
+                    put_compressed(bnd, weight=value, scale_inv=parts["scale_inv"])
+                    seen.add(key)
+                    return True
+                value = _dequant_fp8(base, value, parts["scale_inv"], info.fp8_block)
+        if held is not None and not keep_mxfp4:
+            raise ValueError(f"{base}: stored as {np.asarray(value).dtype} without its compressed form, but the model "
+                             f"holds it compressed (quant.experts={cfg.quant.experts!r}); load without keep_quantized")
         try:
             blk = hf_to_block(bnd.kind, np.asarray(value), block_shape(bnd))
         except ValueError as err:
@@ -167,9 +242,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
                               "quantized to MXFP4 on load", stacklevel=3)
                 warned.append(True)
             packed, scale = mxfp4.encode(np.swapaxes(blk, -1, -2), rule=cfg.quant.scale_rule)
-            p = placer(bnd)
-            p.packed.put(bnd.index, packed)
-            p.scale.put(bnd.index, scale)
+            put_compressed(bnd, packed=packed, scale=scale)
         else:
             placer(bnd).put(bnd.index, blk)
         seen.add(key)
@@ -213,7 +286,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
         raise ValueError(f"{path}: {len(missing)} tensors missing from the checkpoint (first: {missing[:10]})")
     for leaf_path, p in placers.items():
         if isinstance(p, PackedPlacer):
-            for name, part in (("packed", p.packed), ("scale", p.scale)):
+            for name, part in p.parts.items():
                 variables[leaf_path + (name,)].set_raw_value(part.value)
         else:
             variables[leaf_path].set_raw_value(p.value)

@@ -29,7 +29,9 @@ LINEAR_IN2 = "linear_in2"  # HF [out, in] <-> (*in(2 axes), out): o_proj (H, K, 
 CONV = "conv"  # HF [C, 1, W] <-> (W, H, K)
 A_LOG = "a_log"  # HF [1, 1, H, 1] (kimi_linear) or zero-padded [max(K, H)] (kimi_k3) <-> (H,)
 
-LANGUAGE_MODEL_PREFIX = "language_model."  # the multimodal kimi_k3 release's text weights
+LANGUAGE_MODEL_PREFIX = "language_model."  # the multimodal kimi_k3 / kimi_k25 releases' text weights
+# model types with the DeepSeek-V3 text layout (MLA with RoPE, MoE blocks named mlp.*); kimi_k25's text model is K2
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Binding:
 
 
 def _family(model_type: str) -> str:
-    return "deepseek" if model_type in ("deepseek_v3", "kimi_k2") else "kimi"
+    return "deepseek" if model_type in DEEPSEEK_TYPES else "kimi"
 
 
 def bindings(cfg: ModelConfig, plan: LayerPlan, model_type: str, prefix: str = "") -> list[Binding]:
@@ -217,14 +219,15 @@ def canonical_name(name: str) -> str:
 
 
 def split_part(name: str) -> tuple[str, str]:
-    """``x.weight_packed`` / ``x.weight_scale`` (MXFP4) / ``x.weight_scale_inv`` (fp8) ->
-    (``x.weight``, part); any other name -> (name, "value")."""
-    for suffix, part in ((".weight_packed", "packed"), (".weight_scale_inv", "scale_inv"), (".weight_scale", "scale")):
+    """``x.weight_packed`` / ``x.weight_scale`` (MXFP4, INT4) / ``x.weight_shape`` (INT4) /
+    ``x.weight_scale_inv`` (fp8) -> (``x.weight``, part); any other name -> (name, "value")."""
+    for suffix, part in ((".weight_packed", "packed"), (".weight_scale_inv", "scale_inv"), (".weight_scale", "scale"),
+                         (".weight_shape", "shape")):
         if name.endswith(suffix):
             return name[: -len(suffix)] + ".weight", part
     return name, "value"
 
 
 __all__ = ["A_LOG", "CONV", "FLAT", "LANGUAGE_MODEL_PREFIX", "LAYER_RE", "LINEAR", "LINEAR_IN2", "ROW", "SAME",
-           "SKIPPED", "Binding", "bindings", "block_to_hf", "canonical_name", "hf_shape_of", "hf_to_block",
+           "SKIPPED", "DEEPSEEK_TYPES", "Binding", "bindings", "block_to_hf", "canonical_name", "hf_shape_of", "hf_to_block",
            "split_part"]

@@ -90,11 +90,11 @@ class Placer:
 
 
 class PackedPlacer:
-    """A routed-expert weight kept as MXFP4 (``k3jax.quant.packed.MXFP4Weight``): fills its ``packed``
-    and ``scale`` variables (HF orientation), each placed by its own logical axes."""
+    """A weight kept compressed (``k3jax.quant.storage.QuantizedWeight``: MXFP4, INT4, FP8): fills each
+    of its storage variables (``parts``: name -> placer; HF orientation), each placed by its own logical axes."""
 
-    def __init__(self, packed: Placer, scale: Placer):
-        self.packed, self.scale = packed, scale
+    def __init__(self, parts: dict[str, Placer]):
+        self.parts = parts
 
 
 __all__ = ["PackedPlacer", "Placer", "as_rules", "placer_for"]

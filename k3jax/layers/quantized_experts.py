@@ -1,8 +1,10 @@
 """What the MoE layer calls to quantize its routed experts, driven by ``model.quant`` (QuantConfig).
 
 - :func:`expert_param` creates a routed-expert weight ``(E, in, out)``: a dense ``nnx.Param``, or
-  with ``experts: mxfp4`` an :class:`~k3jax.quant.packed.MXFP4Weight`.
-- :func:`expert_weight` gives the weight the expert matmuls use, in the compute dtype: a packed
+  with ``experts: mxfp4 / int4 / fp8_block`` a compressed weight (:class:`~k3jax.quant.packed.MXFP4Weight`,
+  :class:`~k3jax.quant.int4.Int4Weight`, :class:`~k3jax.quant.fp8_block.FP8BlockWeight`; their arrays are
+  ``k3jax.quant.storage.QuantizedStorage`` variables, never trained).
+- :func:`expert_weight` gives the weight the expert matmuls use, in the compute dtype: a compressed
   weight dequantized on the fly; with ``experts: mxfp4_qat`` the dense master weight's MXFP4 values
   (fake quantization, blocks along ``in``) with a straight-through gradient; else the cast weight.
 - :func:`activation_quantizer` gives the MXFP8 fake quantizer of the expert matmuls' inputs
@@ -22,7 +24,10 @@ from k3jax.layers.initializers import normal
 from k3jax.ops.weight_cast import weight_cast
 from k3jax.quant.mxfp4 import fake_quantize_mxfp4
 from k3jax.quant.mxfp8 import fake_quantize_mxfp8
+from k3jax.quant.fp8_block import FP8BlockWeight
+from k3jax.quant.int4 import Int4Weight
 from k3jax.quant.packed import MXFP4Weight
+from k3jax.quant.storage import QuantizedWeight
 from k3jax.quant.ste import straight_through
 
 # Routed-expert weights are (E, in, out): the MX blocks run along `in`, the contraction axis.
@@ -30,14 +35,24 @@ _IN_AXIS = -2
 
 
 def expert_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, dtype,
-                 quant: QuantConfig) -> nnx.Param | MXFP4Weight:
-    """A routed-expert weight ``(E, in, out)`` ~ N(0, std): dense, or packed MXFP4 for deployment
-    (the same random draw, quantized with ``quant.scale_rule``)."""
+                 quant: QuantConfig) -> nnx.Param | QuantizedWeight:
+    """A routed-expert weight ``(E, in, out)`` ~ N(0, std): dense, or held compressed for deployment
+    (``quant.experts``: ``mxfp4`` packed with ``quant.scale_rule``, ``int4`` with scales in ``dtype``,
+    ``fp8_block``; the same random draw, quantized)."""
     dense = normal(rngs, shape, axes, std, dtype)
-    if quant.experts != "mxfp4":
+    if quant.experts not in ("mxfp4", "int4", "fp8_block"):
         return dense
     value = dense.get_raw_value()
-    if isinstance(value, jax.ShapeDtypeStruct):
+    abstract = isinstance(value, jax.ShapeDtypeStruct)
+    if quant.experts == "int4":
+        if abstract:
+            return Int4Weight.abstract(shape, quant.int4_group_size, dtype, axes)
+        return Int4Weight.from_dense(value, quant.int4_group_size, dtype, axes)
+    if quant.experts == "fp8_block":
+        if abstract:
+            return FP8BlockWeight.abstract(shape, quant.fp8_block, axes)
+        return FP8BlockWeight.from_dense(value, quant.fp8_block, axes)
+    if abstract:
         return MXFP4Weight.abstract(shape, axes)
     return MXFP4Weight.from_dense(value, axes, rule=quant.scale_rule)
 
@@ -52,9 +67,10 @@ def _qat_activation(rule: str) -> Callable[[jax.Array], jax.Array]:
     return straight_through(functools.partial(fake_quantize_mxfp8, rule=rule, axis=-1))
 
 
-def expert_weight(w: nnx.Variable | MXFP4Weight, dtype, quant: QuantConfig) -> jax.Array:
-    """The routed-expert weight ``(E, in, out)`` the expert matmuls use, in ``dtype``."""
-    if isinstance(w, MXFP4Weight):
+def expert_weight(w: nnx.Variable | QuantizedWeight, dtype, quant: QuantConfig) -> jax.Array:
+    """The routed-expert weight ``(E, in, out)`` the expert matmuls use, in ``dtype``: a compressed
+    weight (MXFP4, INT4, FP8) dequantized here, right before the grouped matmul."""
+    if isinstance(w, QuantizedWeight):
         return w.dequantize(dtype)
     x = w[...]
     if quant.experts == "mxfp4_qat":

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from k3jax.quant.formats import GROUP_SIZE
 from k3jax.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3jax.quant.storage import QuantizedStorage, QuantizedWeight, swap_last
 
 PACK = 2  # FP4 codes per byte
 
 
-class MXFP4Bytes(nnx.Variable):
+class MXFP4Bytes(QuantizedStorage):
     """uint8 storage of an MXFP4 weight (packed codes or E8M0 scales): model state, never trained."""
 
 
@@ -34,15 +34,12 @@ def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, .
     return (*lead, n_out, n_in // PACK), (*lead, n_out, n_in // GROUP_SIZE)
 
 
-def _swap_last(axes):
-    return None if axes is None else (*axes[:-2], axes[-1], axes[-2])
-
-
-class MXFP4Weight(nnx.Module):
+class MXFP4Weight(QuantizedWeight):
     """A weight ``W (..., in, out)`` held as MXFP4: ``packed (..., out, in/2)``, ``scale (..., out, in/32)``."""
 
     def __init__(self, packed, scale, axes: tuple[str | None, ...] | None = None):
-        meta = {} if axes is None else {"out_sharding": _swap_last(tuple(axes))}
+        self.axes = None if axes is None else tuple(axes)
+        meta = {} if axes is None else {"out_sharding": swap_last(self.axes)}
         self.packed = MXFP4Bytes(packed, **meta)
         self.scale = MXFP4Bytes(scale, **meta)
 
