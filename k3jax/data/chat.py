@@ -88,6 +88,19 @@ def _check_content(content: Any, where: str) -> None:
             raise ValueError(f"{where}[{k}]: a content part must be {{'type': 'text', 'text': str}}, got {part!r}")
 
 
+def tool_call_arguments(fn: Mapping, where: str = "function") -> Mapping:
+    """A tool call's ``function.arguments`` as an object (OpenAI sends a JSON string; absent = ``{}``)."""
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.arguments: not valid JSON ({e})") from None
+    if args is not None and not isinstance(args, Mapping):
+        raise ValueError(f"{where}.arguments: must be a JSON object, got {type(args).__name__}")
+    return args or {}
+
+
 def _check_tool_call(call: Any, where: str) -> None:
     if not isinstance(call, Mapping):
         raise ValueError(f"{where}: must be an object, got {type(call).__name__}")
@@ -96,14 +109,7 @@ def _check_tool_call(call: Any, where: str) -> None:
         raise ValueError(f"{where}.function: must be an object with a 'name', got {type(fn).__name__}")
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ValueError(f"{where}.function.name: a tool call needs a function name, got {fn.get('name')!r}")
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}.function.arguments: not valid JSON ({e})") from None
-    if args is not None and not isinstance(args, Mapping):
-        raise ValueError(f"{where}.function.arguments: must be a JSON object, got {type(args).__name__}")
+    tool_call_arguments(fn, f"{where}.function")
     for key in ("id", "type"):
         if call.get(key) is not None and not isinstance(call[key], str):
             raise ValueError(f"{where}.{key}: must be a string, got {type(call[key]).__name__}")
@@ -168,18 +174,21 @@ def _text(content) -> str:
 
 def transcript_segments(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, *,
                         add_generation_prompt: bool) -> list[tuple[str, int]]:
-    """The plain transcript as ``(text, assistant turn index or NOT_TRAINED)`` segments::
+    """The plain transcript as ``(text, assistant turn index or NOT_TRAINED)`` segments: one message per
+    line, each ending with ``<EOT>`` (:data:`END_OF_TURN`), the newline *before* a message (so nothing
+    follows a turn's ``<EOT>`` but the next message)::
 
-        tools: [...]<EOT>\\n                     (when there are tools)
-        system: ...<EOT>\\n
-        user: Quote Genesis 1:3<EOT>\\n
-        assistant: <think>...</think>And God said, ...<tool_call>{"name": ..., "arguments": ...}</tool_call><EOT>\\n
-        tool: ...<EOT>\\n
+        tools: [...]<EOT>                        (when there are tools)
+        system: ...<EOT>
+        user: Quote Genesis 1:3<EOT>
+        assistant: <think>...</think>And God said, ...<tool_call>{"name": ..., "arguments": ...}</tool_call><EOT>
+        tool: ...<EOT>
         assistant:                               (the generation prompt)
 
-    An assistant turn's segment is everything after ``assistant:`` up to and including ``<EOT>``
-    (:data:`END_OF_TURN`). Content holding ``<EOT>`` is refused: the model would learn to stop inside it.
+    An assistant turn's trained segment is everything after ``assistant:`` up to and including
+    ``<EOT>``. Content holding ``<EOT>`` is refused: the model would learn to stop inside it.
     """
+
     def body_of(field: str, body: str) -> str:
         if END_OF_TURN in body:
             raise ValueError(f"{field}: holds the transcript's end-of-turn marker {END_OF_TURN!r}")
@@ -187,31 +196,27 @@ def transcript_segments(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
 
     segments = []
     if tools:
-        segments.append((f"tools: {body_of('tools', json.dumps(list(tools), ensure_ascii=False))}{END_OF_TURN}\n",
+        segments.append((f"tools: {body_of('tools', json.dumps(list(tools), ensure_ascii=False))}{END_OF_TURN}",
                          NOT_TRAINED))
     turn = 0
     for j, m in enumerate(messages):
-        role = m["role"]
+        role, sep = m["role"], "\n" if segments else ""
         if role != "assistant":
             text = body_of(f"messages[{j}].content", _text(m.get("content") or ""))
-            segments.append((f"{role}: {text}{END_OF_TURN}\n", NOT_TRAINED))
+            segments.append((f"{sep}{role}: {text}{END_OF_TURN}", NOT_TRAINED))
             continue
         body = ""
         if m.get("reasoning_content"):
             body += f"{THINK_OPEN}{m['reasoning_content']}{THINK_CLOSE}"
         body += _text(m.get("content") or "")
         for call in m.get("tool_calls") or ():
-            fn = call["function"]
-            args = fn.get("arguments") or {}
-            args = json.loads(args) if isinstance(args, str) and args.strip() else args or {}
-            body += f"{TOOL_CALL_OPEN}{json.dumps({'name': fn['name'], 'arguments': args}, ensure_ascii=False)}" \
-                    f"{TOOL_CALL_CLOSE}"
-        segments.append((GENERATION_PROMPT, NOT_TRAINED))
+            call = {"name": call["function"]["name"], "arguments": tool_call_arguments(call["function"])}
+            body += f"{TOOL_CALL_OPEN}{json.dumps(call, ensure_ascii=False)}{TOOL_CALL_CLOSE}"
+        segments.append((sep + GENERATION_PROMPT, NOT_TRAINED))
         segments.append((f" {body_of(f'messages[{j}]', body)}{END_OF_TURN}", turn))
-        segments.append(("\n", NOT_TRAINED))
         turn += 1
     if add_generation_prompt:
-        segments.append((GENERATION_PROMPT, NOT_TRAINED))
+        segments.append((("\n" if segments else "") + GENERATION_PROMPT, NOT_TRAINED))
     return segments
 
 
@@ -404,4 +409,4 @@ def scan_conversations(conversations, to_pieces: ConversationToPieces,
 __all__ = ["END_OF_TURN", "GENERATION_PROMPT", "NOT_TRAINED", "OUTCOMES", "ROLES", "ChatCounts", "Conversation",
            "ConversationToPieces", "Conversations", "chat_prompt", "conversation_example", "has_chat_format",
            "open_conversations", "parse_conversation", "render_conversation", "scan_conversations",
-           "trained_tokens", "transcript_segments"]
+           "tool_call_arguments", "trained_tokens", "transcript_segments"]
