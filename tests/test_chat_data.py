@@ -372,3 +372,11 @@ def test_training_on_chat_data_logs_the_trained_fraction(tmp_path):
     assert len(logged) == 2
     for r in logged:
         assert 0.1 < r["trained_fraction"] < 0.9  # the answers, not the questions / system lines
+
+
+def test_a_vision_model_refuses_chat_data():
+    from k3jax.data.images import make_dataset
+
+    cfg = load_config("tiny_vl", ["train.data.format=chat"])
+    with pytest.raises(ValueError, match="train.data.format=chat: chat data trains a text model"):
+        make_dataset(cfg, ByteTokenizer())

@@ -149,10 +149,13 @@ def make_multimodal_dataset(train_cfg: TrainConfig, vision: VisionConfig, tokeni
 def make_dataset(cfg: Config, tokenizer: TextTokenizer, *, split: Literal["train", "eval"] = "train",
                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
     """The run's dataset: image-caption rows for a vision model (the bundled synthetic set), packed
-    text otherwise (``k3jax.data.pipeline.make_train_dataset``)."""
+    text or chat otherwise (``k3jax.data.pipeline.make_train_dataset``)."""
     if not cfg.model.vision.enabled:
         return make_train_dataset(cfg.train, tokenizer, split=split, process_index=process_index,
                                   process_count=process_count)
+    if cfg.train.data.format == "chat":
+        raise ValueError("train.data.format=chat: chat data trains a text model; a vision model trains on "
+                         "image-caption records")
     if cfg.train.data.source != "bundled":
         raise ValueError(f"train.data.source={cfg.train.data.source!r}: a vision model trains on the bundled "
                          "image-caption set ('bundled'); other image sources: make_multimodal_dataset(records=...)")
