@@ -21,14 +21,19 @@ import pathlib
 import re
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from k3jax.config import Config, TrainConfig, from_dict, runtime_fields, to_dict, without_runtime_fields
+from k3jax.layers.lora import LoRAParam
 from k3jax.model import K3Model, abstract_model
 from k3jax.sharding import abstract_with_shardings, state_shardings
 
 TRAIN_ITEMS = ("config", "model", "optimizer", "data")
+# A LoRA run's checkpoint: ``model`` holds the adapters only, ``base`` names the frozen weights they adapt
+# (:func:`resolve_base`), read again on resume and by :func:`restore_model`.
+LORA_TRAIN_ITEMS = TRAIN_ITEMS + ("base",)
 # Train fields that may change when a run resumes (the runtime fields of k3jax.config: how long and how
 # it is logged and saved). Everything else but runtime fields (model, optimizer, data, batch, seed, ...)
 # must match, or the resumed run would silently differ from the one that was checkpointed.
@@ -70,9 +75,21 @@ def restore_config(directory: str | pathlib.Path, *, step: int | None = None) ->
     return from_dict(raw["config"]), step
 
 
+def _restore_target(abstract_state, mesh):
+    """ShapeDtypeStructs on one device, or in their rule-derived shardings on ``mesh``."""
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), abstract_state)
+    # each array read straight into its rule-derived sharding, whatever mesh saved it
+    return abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
+
+
 def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mesh=None,
                   config: Config | None = None) -> tuple[K3Model, Config]:
     """The model saved at ``step`` (default: the latest) of ``directory`` and its config.
+
+    A LoRA run's checkpoint gives its base model (read from where the checkpoint's ``base`` item says)
+    with the run's adapters attached (``model.merge_lora()`` folds them in).
 
     Pass ``config`` to check the checkpoint against an expected model config: a mismatch of any
     model field raises instead of restoring weights into the wrong architecture.
@@ -81,30 +98,108 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
     if config is not None and without_runtime_fields(config.model) != without_runtime_fields(saved.model):
         diff = _diff(without_runtime_fields(config.model), without_runtime_fields(saved.model))
         raise ValueError(f"checkpoint {directory} (step {step}) does not match the config: {diff}")
-    graphdef, abstract_state = nnx.split(abstract_model(saved.model))
-    if mesh is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), abstract_state)
-    else:  # each array read straight into its rule-derived sharding, whatever mesh saved it
-        target = abstract_with_shardings(abstract_state, state_shardings(abstract_state, mesh))
-    with manager(directory, async_save=False) as mngr:
+    lora = saved.train.lora
+    model = abstract_model(saved.model, lora=lora)
+    # a LoRA checkpoint's model item holds the adapters only
+    graphdef, abstract_state = nnx.split(model, LoRAParam, ...)[:2] if lora.enabled else nnx.split(model)
+    args = {"model": ocp.args.StandardRestore(_restore_target(abstract_state, mesh))}
+    if lora.enabled:
+        args["base"] = ocp.args.JsonRestore()
+    with manager(directory, async_save=False, item_names=("config", *args)) as mngr:
         try:
-            raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
+            raw = mngr.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
             raise CheckpointError(f"checkpoint {directory}/{step} is corrupt or incomplete "
                                   f"({_summary(e)})") from e
-    return nnx.merge(graphdef, raw["model"]), saved
+    if not lora.enabled:
+        return nnx.merge(graphdef, raw["model"]), saved
+    nnx.update(model, raw["model"])
+    load_base(model, raw["base"], mesh)
+    return model, saved
 
 
-def save_train_state(mngr: ocp.CheckpointManager, step: int, config: Config, train_state, data_iter) -> None:
-    """Save model, optimizer (with its step count) and data-iterator position as ``step``
-    (asynchronously if the manager is; call ``mngr.wait_until_finished()`` before exiting)."""
+def resolve_base(source: str | None, seed: int) -> dict:
+    """Where a LoRA run's frozen weights come from, pinned (what its checkpoints record as ``base``):
+    ``{"kind": "orbax", "path", "step"}`` (a run or checkpoint directory's latest step),
+    ``{"kind": "hf", "path"}`` (a Hugging Face directory) or, without a source, ``{"kind": "seed",
+    "seed"}`` (the run's own random initialisation)."""
+    if source is None:
+        return {"kind": "seed", "seed": seed}
+    src = pathlib.Path(source)
+    if not src.exists():
+        raise FileNotFoundError(f"train.init_from={source} does not exist")
+    if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
+        return {"kind": "hf", "path": str(src.absolute())}
+    ckpt = src / "checkpoints" if (src / "checkpoints").is_dir() else src
+    step = latest_step(ckpt)
+    if step is None:
+        raise FileNotFoundError(f"train.init_from={source}: no checkpoint in {ckpt}")
+    return {"kind": "orbax", "path": str(ckpt.absolute()), "step": step}
+
+
+def load_base(model: K3Model, base: dict, mesh=None) -> None:
+    """Copy the weights (and router-bias state) that ``base`` (:func:`resolve_base`) names into
+    ``model``'s non-adapter variables, in place (they may be abstract). Same architecture required; the
+    quantization switches may differ (QAT fine-tuning). A LoRA checkpoint as the base is merged first."""
+    placement = mesh if mesh is not None and mesh.size > 1 else None
+    what = base.get("path", f"seed {base.get('seed')}")
+    if base["kind"] == "orbax":
+        loaded, _ = restore_model(base["path"], step=base["step"], mesh=placement)
+        loaded.merge_lora()
+    elif base["kind"] == "hf":
+        from k3jax.interop import from_hf
+
+        quant = model.cfg.quant.experts
+        loaded = from_hf(base["path"], dtype=jnp.dtype(model.cfg.param_dtype), mesh=placement,
+                         keep_quantized=quant not in ("none", "mxfp4_qat"))
+    elif base["kind"] == "seed":  # the run's random initialisation (training.init_train_state's weights)
+        from k3jax.training import init_train_state
+
+        loaded = init_train_state(Config(model=model.cfg, train=TrainConfig(seed=base["seed"])), mesh).model
+    else:
+        raise CheckpointError(f"unknown LoRA base {base!r}")
+    want, got = nnx.state(model, nnx.Not(LoRAParam)), nnx.state(loaded)
+    layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
+    if layout(want) != layout(got):
+        raise CheckpointError(f"train.init_from={what}: its model has another architecture than model.*")
+    nnx.update(model, got)
+
+
+def train_items(config: Config) -> tuple[str, ...]:
+    """The items of a training checkpoint of ``config``'s run."""
+    return LORA_TRAIN_ITEMS if config.train.lora.enabled else TRAIN_ITEMS
+
+
+def _saved_model_state(config: Config, model: K3Model) -> nnx.State:
+    """What a training checkpoint holds of the model: everything, or a LoRA run's adapters."""
+    return nnx.state(model, LoRAParam) if config.train.lora.enabled else nnx.state(model)
+
+
+def save_train_state(mngr: ocp.CheckpointManager, step: int, config: Config, train_state, data_iter,
+                     base: dict | None = None) -> None:
+    """Save model (a LoRA run: its adapters, and ``base``, :func:`resolve_base`), optimizer (with its step
+    count) and data-iterator position as ``step`` (asynchronously if the manager is; call
+    ``mngr.wait_until_finished()`` before exiting)."""
     import grain
 
-    mngr.save(step, args=ocp.args.Composite(
-        config=ocp.args.JsonSave(to_dict(config)), model=ocp.args.StandardSave(nnx.state(train_state.model)),
-        optimizer=ocp.args.StandardSave(nnx.state(train_state.optimizer)),
-        data=grain.checkpoint.CheckpointSave(data_iter)), force=True)
+    if config.train.lora.enabled and base is None:
+        raise ValueError("a LoRA run's checkpoint names its base: pass base=resolve_base(...)")
+    items = dict(config=ocp.args.JsonSave(to_dict(config)),
+                 model=ocp.args.StandardSave(_saved_model_state(config, train_state.model)),
+                 optimizer=ocp.args.StandardSave(nnx.state(train_state.optimizer)),
+                 data=grain.checkpoint.CheckpointSave(data_iter))
+    if config.train.lora.enabled:
+        items["base"] = ocp.args.JsonSave(base)
+    mngr.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def restore_base(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The ``base`` a LoRA run's checkpoint ``step`` names (:func:`resolve_base`)."""
+    try:
+        return mngr.restore(step, args=ocp.args.Composite(base=ocp.args.JsonRestore()))["base"]
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read the LoRA base of checkpoint {mngr.directory}/{step} "
+                              f"({_summary(e)})") from e
 
 
 def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter) -> int | None:
@@ -133,7 +228,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
                               f"same config, or start over with --fresh or another run_dir.")
     try:
         restored = mngr.restore(step, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(nnx.state(train_state.model)),
+            model=ocp.args.StandardRestore(_saved_model_state(config, train_state.model)),
             optimizer=ocp.args.StandardRestore(nnx.state(train_state.optimizer)),
             data=grain.checkpoint.CheckpointRestore(data_iter)))
     except Exception as e:  # noqa: BLE001
@@ -183,5 +278,6 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
     return "; ".join(out)
 
 
-__all__ = ["CheckpointError", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "manager",
-           "restore_config", "restore_model", "restore_train_state", "save_model", "save_train_state"]
+__all__ = ["CheckpointError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "load_base",
+           "manager", "resolve_base", "restore_base", "restore_config", "restore_model", "restore_train_state",
+           "save_model", "save_train_state", "train_items"]

@@ -105,17 +105,14 @@ def evaluate(eval_step, state, cfg: Config, tokenizer, mesh) -> float:
     return nll / max(count, 1.0)
 
 
-def init_weights_from(model, source: str, mesh=None) -> None:
-    """Copy the model weights (and router-bias state) of another run's latest checkpoint into
-    ``model``: same architecture required; the quantization switches may differ (QAT fine-tuning)."""
-    src = pathlib.Path(source)
-    loaded, _ = checkpoint.restore_model(src / "checkpoints" if (src / "checkpoints").is_dir() else src,
-                                         mesh=mesh if mesh is not None and mesh.size > 1 else None)
-    want, got = nnx.state(model), nnx.state(loaded)
-    layout = lambda s: [(p, x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(s)]  # noqa: E731
-    if layout(want) != layout(got):
-        raise checkpoint.CheckpointError(f"train.init_from={source}: its model has another architecture")
-    nnx.update(model, got)
+def init_weights_from(model, source: str, mesh=None) -> dict:
+    """Copy the model weights (and router-bias state) of another run's latest checkpoint, or of a Hugging
+    Face directory, into ``model`` (its LoRA adapters aside): same architecture required; the
+    quantization switches may differ (QAT fine-tuning). Returns the pinned source
+    (``checkpoint.resolve_base``), which a LoRA run's checkpoints record."""
+    base = checkpoint.resolve_base(source, seed=0)
+    checkpoint.load_base(model, base, mesh)
+    return base
 
 
 def check_schedule(saved: Config, cfg: Config, step: int, *, reschedule: bool) -> str | None:
@@ -225,19 +222,25 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
                                    process_count=jax.process_count()))
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
-                              item_names=checkpoint.TRAIN_ITEMS)
+                              item_names=checkpoint.train_items(cfg))
+    base = None  # a LoRA run: where its frozen weights come from (checkpoint.resolve_base)
     if mngr.latest_step() is not None:
         # Restored straight into the state's shardings: no init program, no second copy of the weights.
         ts = _abstract_on(cfg, mesh)
         start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter)
+        if tc.lora.enabled:  # the checkpoint holds the adapters: the frozen weights come from its base
+            base = checkpoint.restore_base(mngr, start)
+            checkpoint.load_base(ts.model, base, mesh)
         note = check_schedule(checkpoint.restore_config(out / "checkpoints", step=start)[0], cfg, start,
                               reschedule=reschedule)
         tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}" + (f"; {note}" if note else ""))
     else:
         ts, start = init_train_state(cfg, mesh), 0
         if tc.init_from:
-            init_weights_from(ts.model, tc.init_from, mesh)
+            base = init_weights_from(ts.model, tc.init_from, mesh)
             tqdm.write(f"initialised the model from {tc.init_from}")
+        elif tc.lora.enabled:
+            base = checkpoint.resolve_base(None, tc.seed)
     if main_process:
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
@@ -299,7 +302,7 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
             if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
-                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter)
+                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter, base=base)
                 saved_step = step
     bar.close()
     mngr.wait_until_finished()
