@@ -157,6 +157,10 @@ def test_loss_variants():
     np.testing.assert_array_equal(example["inputs"], ids[:-1])
     np.testing.assert_array_equal(example["targets"], ids[1:])
     np.testing.assert_array_equal(example["loss_mask"], every[1:])  # the mask sits on the target
+    with pytest.raises(ConfigError, match="train.data.chat_loss: must be one of"):
+        trained_tokens(turns, "assistants")
+    with pytest.raises(ConfigError, match="train.data.chat_overflow: must be one of"):
+        conversation_example(ids, every, 10, "split")
     with pytest.raises(ConfigError, match="train.data.chat_loss: applies to chat data only"):
         load_config("tiny", ["train.data.chat_loss=all"])
     with pytest.raises(ConfigError, match="train.data.chat_overflow: must be one of"):

@@ -43,17 +43,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import grain
 import numpy as np
 
+from k3jax.config import DataConfig
+from k3jax.config.fields import check_choice, field_types
 from k3jax.data.sources import bundled_chat_path, open_records
 from k3jax.data.tokenizers import TextTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
-ChatLoss = Literal["assistant", "last_assistant", "all"]
-ChatOverflow = Literal["truncate", "drop"]
 
 # The plain transcript (tokenizers without a chat format). ASCII "end of transmission": a single byte that
 # ordinary text never holds, so it cannot be confused with content. The trained span of an assistant turn
@@ -294,15 +294,20 @@ def render_conversation(tokenizer: TextTokenizer, conv: Conversation) -> tuple[n
         raise ValueError(f"{conv.where}: the chat template cannot render it: {type(e).__name__}: {e}") from e
 
 
-def trained_tokens(turns: np.ndarray, chat_loss: ChatLoss) -> np.ndarray:
-    """Per token: whether ``chat_loss`` trains it (``turns`` from :func:`render_conversation`)."""
+def _check_setting(name: str, value: str) -> None:
+    """``value`` is one of the choices of ``DataConfig.<name>`` (its ``Literal``: the one list of them)."""
+    check_choice(value, field_types(DataConfig)[name], f"train.data.{name}")
+
+
+def trained_tokens(turns: np.ndarray, chat_loss: str) -> np.ndarray:
+    """Per token: whether ``chat_loss`` (``train.data.chat_loss``) trains it (``turns`` from
+    :func:`render_conversation`)."""
+    _check_setting("chat_loss", chat_loss)
     if chat_loss == "all":
         return np.ones(turns.shape, bool)
     if chat_loss == "assistant":
         return turns != NOT_TRAINED
-    if chat_loss == "last_assistant":
-        return (turns == turns.max()) & (turns != NOT_TRAINED)
-    raise ValueError(f"train.data.chat_loss: unknown value {chat_loss!r}; one of assistant, last_assistant, all")
+    return (turns == turns.max()) & (turns != NOT_TRAINED)  # last_assistant
 
 
 # --- examples for the packing pipeline ----------------------------------------------------------------
@@ -311,9 +316,11 @@ OUTCOMES = ("kept", "truncated", "dropped", "skipped")
 
 
 def conversation_example(ids: np.ndarray, trained: np.ndarray, seq_len: int,
-                         overflow: ChatOverflow) -> tuple[dict[str, np.ndarray] | None, str]:
+                         overflow: str) -> tuple[dict[str, np.ndarray] | None, str]:
     """Shifted pairs ``{"inputs", "targets", "loss_mask"}`` (``[n <= seq_len]``; the mask on the target) of
-    one rendered conversation, and its outcome, one of :data:`OUTCOMES` (None for dropped / skipped)."""
+    one rendered conversation, and its outcome, one of :data:`OUTCOMES` (None for dropped / skipped).
+    ``overflow``: ``train.data.chat_overflow``."""
+    _check_setting("chat_overflow", overflow)
     inputs, targets, mask = ids[:-1], ids[1:], trained[1:]
     if not mask.any():
         return None, "skipped"
@@ -322,8 +329,6 @@ def conversation_example(ids: np.ndarray, trained: np.ndarray, seq_len: int,
         fits = np.nonzero(mask[:seq_len])[0]
         if overflow == "drop" or len(fits) == 0:
             return None, "dropped"
-        if overflow != "truncate":
-            raise ValueError(f"train.data.chat_overflow: unknown value {overflow!r}; one of truncate, drop")
         cut = int(fits[-1]) + 1
         inputs, targets, mask, outcome = inputs[:cut], targets[:cut], mask[:cut], "truncated"
     return {"inputs": inputs, "targets": targets, "loss_mask": mask.astype(np.float32)}, outcome
@@ -335,7 +340,7 @@ class ConversationToPieces(grain.experimental.FlatMapTransform):
 
     max_fan_out = 1
 
-    def __init__(self, tokenizer: TextTokenizer, seq_len: int, chat_loss: ChatLoss, overflow: ChatOverflow):
+    def __init__(self, tokenizer: TextTokenizer, seq_len: int, chat_loss: str, overflow: str):
         self.tokenizer, self.seq_len, self.chat_loss, self.overflow = tokenizer, seq_len, chat_loss, overflow
 
     def example(self, conv: Conversation) -> tuple[dict[str, np.ndarray] | None, str]:
