@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI) over an :class:`~k3jax.serving.engine.Engine`.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events),
-``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Sampling fields: ``max_tokens``
+``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text); vLLM's ``POST /tokenize``,
+``/detokenize`` and ``GET /tokenizer_info`` (the server's tokenizer, which lm-eval's
+``local-completions`` detects and uses: text is encoded as ``/v1/completions`` encodes a text
+prompt, special-token spellings as plain text). Sampling fields: ``max_tokens``
 (chat: also ``max_completion_tokens``; default: the rest of the context), ``temperature`` (default
 1, 0 = greedy), ``top_p``, ``stop`` (strings), ``seed`` (choice j of a request draws with ``seed +
 j``), ``n``. Completions take a list of prompts (texts or token-id lists): choice ``i * n + j`` is
@@ -89,6 +92,14 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    prompt: str
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
 
 
 class BadRequest(Exception):
@@ -197,6 +208,40 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     async def metrics():
         engine.metrics.gauges(engine.active_count(), engine.queue_length())
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {name: getattr(tokenizer, name, None) for name in ("eos_token", "bos_token", "pad_token")} | {
+            "chat_template": getattr(tokenizer, "chat_template", None), "vocab_size": engine.vocab_size,
+            "max_model_len": engine.max_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        async def run(req: TokenizeRequest):
+            ids = list(tokenizer.encode(req.prompt))
+            return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
+        return await _simple(request, TokenizeRequest, run)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        async def run(req: DetokenizeRequest):
+            bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})", "tokens")
+            return {"prompt": tokenizer.decode(req.tokens)}
+        return await _simple(request, DetokenizeRequest, run)
+
+    async def _simple(request: Request, schema, run):
+        """Validate a JSON body against ``schema`` and answer ``run(request)`` (400 naming the field)."""
+        try:
+            return await run(schema.model_validate(json.loads(await request.body())))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error_response(400, f"the request body is not valid JSON: {e}")
+        except pydantic.ValidationError as e:
+            param = _param(e.errors()[0]["loc"])
+            return error_response(400, f"{param}: {e.errors()[0]['msg']}", param or None)
+        except BadRequest as e:
+            return error_response(e.status, e.message, e.param)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
