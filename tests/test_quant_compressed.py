@@ -124,3 +124,22 @@ def test_k2_expert_memory_int4_and_fp8():
               f"bfloat16 {2 * n / 1e9:.1f} GB)")
         assert abs(8 * nbytes / n - bits) < 1e-3
     assert base.quant.experts == "none"
+
+
+@pytest.mark.parametrize("make", [
+    lambda w, axes: Int4Weight.from_dense(w, 16, jnp.float32, axes),
+    lambda w, axes: FP8BlockWeight.from_dense(w, (16, 8), axes),
+])
+def test_cast_reads_compressed_projections(make):
+    """``initializers.cast``, the accessor of every projection, dequantizes a compressed weight: on a
+    one-device mesh too (the FSDP gather of its dense logical axes)."""
+    from k3jax.layers.initializers import cast
+
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((32, 3, 8)).astype(np.float32)).reshape(32, 24)
+    with nnx.use_eager_sharding(False):  # logical axis names, resolved only by the sharding code
+        q = make(w, ("embed", "mlp"))
+    np.testing.assert_array_equal(np.asarray(cast(q, jnp.bfloat16)), np.asarray(q.dequantize(jnp.bfloat16)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tensor"))
+    with jax.set_mesh(mesh):
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda: cast(q, jnp.float32))()),
+                                      np.asarray(q.dequantize(jnp.float32)))

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.ops.weight_cast import weight_cast
+from k3jax.quant.storage import QuantizedWeight
 from k3jax.sharding import gather_weight
 
 
@@ -85,8 +86,11 @@ def constant(value: float, shape: tuple[int, ...], axes: tuple[str | None, ...],
     return param(shape, axes, dtype, lambda: jnp.full(shape, value, dtype), kind)
 
 
-def cast(p: nnx.Variable, dtype) -> jax.Array:
+def cast(p: nnx.Variable | QuantizedWeight, dtype) -> jax.Array:
     """A parameter's value in the compute dtype (params are stored in ``param_dtype``; the cast is
     ``k3jax.ops.weight_cast``, which XLA keeps inside the layer loop), gathered over the FSDP mesh axes
-    when running under a mesh (``k3jax.sharding.gather_weight``)."""
+    when running under a mesh (``k3jax.sharding.gather_weight``). A compressed weight
+    (``k3jax.quant.storage.QuantizedWeight``: MXFP4, INT4, FP8) is dequantized to ``dtype`` first."""
+    if isinstance(p, QuantizedWeight):
+        return gather_weight(p.dequantize(dtype), p.axes)
     return gather_weight(weight_cast(p[...], dtype), p.get_metadata().get("out_sharding"))
