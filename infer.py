@@ -4,7 +4,8 @@
 (``k3jax/serving``; ``--host``, ``--port``, ``--max-batch``, ``--max-len``, ...).
 
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
-unless ``--step``) or a run directory containing one, or a Hugging Face model directory (e.g. a
+unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
+or a Hugging Face model directory (e.g. a
 ``to_hf`` / ``k3jax.convert`` export; MXFP4-packed experts stay packed and are dequantized on the
 fly). Without ``--checkpoint`` the latest run of the default main job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", help="checkpoint or run directory (default: runs/default)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
+    ap.add_argument("--lora", metavar="DIR", help="LoRA adapters for the model: a LoRA run (or its checkpoint "
+                    "directory) or a PEFT adapter directory; merged into the weights before decoding")
     ap.add_argument("--prompt", help="the text to continue (required unless --serve)")
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image shown before the prompt (repeatable; needs a vision model)")
@@ -160,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         if tokenizer is None:
             tokenizer = (load_tokenizer(str(ckpt), source="--checkpoint (or name one with --tokenizer)") if hf else
                          load_tokenizer(cfg.train.data.tokenizer, source=f"train.data.tokenizer of {ckpt}"))
+        if args.lora:
+            checkpoint.restore_adapters(model, args.lora, mesh=placement)
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    model.merge_lora()  # a LoRA run's or --lora's adapters: decoding reads the merged weights (no extra matmuls)
     if args.serve:
         return serve(model, tokenizer, args, name=cfg.name, mesh=mesh)
     images = None

@@ -118,6 +118,33 @@ def restore_model(directory: str | pathlib.Path, *, step: int | None = None, mes
     return model, saved
 
 
+def restore_adapters(model: K3Model, path: str | pathlib.Path, *, step: int | None = None, mesh=None) -> None:
+    """Attach the LoRA adapters of ``path`` to ``model`` (a model without adapters, in place): a LoRA run's
+    checkpoint (its run or checkpoint directory; latest step unless ``step``) or a PEFT adapter directory
+    (``k3jax.interop.peft``). The run's model config must be the model's (runtime fields aside)."""
+    from k3jax.interop.peft import is_peft_dir, load_peft
+
+    if is_peft_dir(path):
+        return load_peft(model, path)
+    src = pathlib.Path(path)
+    directory = src / "checkpoints" if (src / "checkpoints").is_dir() else src
+    saved, step = restore_config(directory, step=step)
+    if not saved.train.lora.enabled:
+        raise ValueError(f"{directory} (step {step}) is not a LoRA run (train.lora.rank is 0) nor a PEFT adapter "
+                         f"directory")
+    if without_runtime_fields(model.cfg) != without_runtime_fields(saved.model):
+        diff = _diff(without_runtime_fields(model.cfg), without_runtime_fields(saved.model))
+        raise ValueError(f"the LoRA run {directory} adapts another model: {diff}")
+    model.add_lora(saved.train.lora, nnx.Rngs(0))
+    target = _restore_target(nnx.state(model, LoRAParam), mesh)
+    with manager(directory, async_save=False) as mngr:
+        try:
+            raw = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {directory}/{step} is corrupt or incomplete ({_summary(e)})") from e
+    nnx.update(model, raw["model"])
+
+
 def resolve_base(source: str | None, seed: int) -> dict:
     """Where a LoRA run's frozen weights come from, pinned (what its checkpoints record as ``base``):
     ``{"kind": "orbax", "path", "step"}`` (a run or checkpoint directory's latest step),
@@ -279,5 +306,5 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
 
 
 __all__ = ["CheckpointError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "load_base",
-           "manager", "resolve_base", "restore_base", "restore_config", "restore_model", "restore_train_state",
+           "manager", "resolve_base", "restore_adapters", "restore_base", "restore_config", "restore_model", "restore_train_state",
            "save_model", "save_train_state", "train_items"]

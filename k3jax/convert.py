@@ -3,6 +3,13 @@
     python -m k3jax.convert --from-hf HF_DIR --to-orbax OUT_DIR [--dtype bfloat16]
     python -m k3jax.convert --from-orbax CKPT_DIR --to-hf OUT_DIR --model-type kimi_k3 \
         [--max-shard-size 5GB] [--dtype bfloat16] [--mxfp4] [--tokenizer-from HF_DIR]
+    python -m k3jax.convert --from-orbax LORA_RUN --to-peft OUT_DIR --model-type kimi_linear
+
+LoRA: a LoRA run's checkpoint (``train.lora``) read with ``--from-orbax`` is its base with the adapters;
+``--lora DIR`` adds the adapters of a LoRA run or a PEFT adapter directory to the model read. ``--to-hf``
+and ``--to-orbax`` merge the adapters into the weights (``W + s A B``); ``--to-peft`` writes the adapters
+alone in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``) for the HF model of
+``--model-type``.
 
 ``--from-hf`` reads ``kimi_k3``, ``kimi_linear``, ``deepseek_v3`` and ``kimi_k2`` directories
 (config.json + single or sharded safetensors), streaming shard by shard. ``--to-hf`` writes the
@@ -22,25 +29,68 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi
                    "generation_config.json", "special_tokens_map.json", "tokenizer.json", "encoding_k3.py")
 
 
-def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), progress: bool = True) -> None:
+def _checkpoints(src: str) -> pathlib.Path:
+    """A run directory's ``checkpoints/``, else ``src`` itself."""
+    p = pathlib.Path(src)
+    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+
+
+def _with_lora(model, lora: str | None):
+    """``model`` with the adapters of ``lora`` (a LoRA run or a PEFT directory) added, when given."""
+    if lora:
+        from k3jax.checkpoint import restore_adapters
+
+        restore_adapters(model, lora)
+    return model
+
+
+def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), lora: str | None = None,
+                progress: bool = True) -> None:
     import jax.numpy as jnp
 
     from k3jax.checkpoint import save_model
     from k3jax.config import Config
     from k3jax.interop import from_hf
 
-    model = from_hf(src, dtype=jnp.dtype(dtype), overrides=overrides, progress=progress)
+    model = _with_lora(from_hf(src, dtype=jnp.dtype(dtype), overrides=overrides, progress=progress), lora)
+    model.merge_lora()
     config = Config(name=pathlib.Path(src).name, model=model.cfg)
     save_model(dst, model, config)
 
 
+def orbax_to_orbax(src: str, dst: str, *, lora: str | None = None, step: int | None = None) -> None:
+    """A plain checkpoint of a LoRA run (or of ``src`` with ``lora``'s adapters), the adapters merged."""
+    import dataclasses
+
+    from k3jax.checkpoint import restore_model, save_model
+    from k3jax.config import LoRAConfig
+
+    model, config = restore_model(_checkpoints(src), step=step)
+    model = _with_lora(model, lora)
+    if model.lora_config is None:
+        raise ValueError(f"{src} has no LoRA adapters to merge (pass --lora DIR, or convert a LoRA run)")
+    model.merge_lora()
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora=LoRAConfig(), init_from=None))
+    save_model(dst, model, config)
+
+
+def orbax_to_peft(src: str, dst: str, *, model_type: str, lora: str | None = None, step: int | None = None) -> None:
+    """The adapters of a LoRA run (or ``lora``'s on ``src``) as a PEFT adapter directory."""
+    from k3jax.checkpoint import restore_model
+    from k3jax.interop.peft import save_peft
+
+    model, _ = restore_model(_checkpoints(src), step=step)
+    save_peft(_with_lora(model, lora), dst, model_type=model_type, base_model_name_or_path=None)
+
+
 def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5GB", dtype: str | None = None,
                 mxfp4: bool | None = None, tokenizer_from: str | None = None, step: int | None = None,
-                progress: bool = True) -> None:
+                lora: str | None = None, progress: bool = True) -> None:
     from k3jax.checkpoint import restore_model
     from k3jax.interop import to_hf
 
-    model, _ = restore_model(src, step=step)
+    model, _ = restore_model(_checkpoints(src), step=step)
+    _with_lora(model, lora).merge_lora()
     extra = {}
     if tokenizer_from:
         src_cfg = pathlib.Path(tokenizer_from) / "config.json"
@@ -68,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     dst = ap.add_mutually_exclusive_group(required=True)
     dst.add_argument("--to-orbax", metavar="DIR")
     dst.add_argument("--to-hf", metavar="DIR")
+    dst.add_argument("--to-peft", metavar="DIR", help="the LoRA adapters alone, in PEFT's format")
     ap.add_argument("--model-type", default="kimi_k3", choices=["kimi_k3", "kimi_linear", "deepseek_v3", "kimi_k2"],
                     help="layout written by --to-hf (default kimi_k3)")
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on import, the "
@@ -77,20 +128,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="write routed experts MXFP4-packed (kimi_k3; default: only if they were loaded packed)")
     ap.add_argument("--tokenizer-from", metavar="DIR", help="copy tokenizer files and token ids from this HF dir")
     ap.add_argument("--step", type=int, default=None, help="Orbax step to export (default: latest)")
+    ap.add_argument("--lora", metavar="DIR", help="add the adapters of a LoRA run or PEFT directory (merged, "
+                    "except with --to-peft)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="model config overrides for --from-hf (e.g. kda.chunk_size=16)")
     args = ap.parse_args(argv)
     progress = not args.no_progress
     if args.from_hf and args.to_orbax:
         hf_to_orbax(args.from_hf, args.to_orbax, dtype=args.dtype or "float32", overrides=args.overrides,
-                    progress=progress)
+                    lora=args.lora, progress=progress)
     elif args.from_orbax and args.to_hf:
         orbax_to_hf(args.from_orbax, args.to_hf, model_type=args.model_type, max_shard_size=args.max_shard_size,
                     dtype=args.dtype, mxfp4=args.mxfp4, tokenizer_from=args.tokenizer_from, step=args.step,
-                    progress=progress)
+                    lora=args.lora, progress=progress)
+    elif args.from_orbax and args.to_orbax:
+        orbax_to_orbax(args.from_orbax, args.to_orbax, lora=args.lora, step=args.step)
+    elif args.from_orbax and args.to_peft:
+        orbax_to_peft(args.from_orbax, args.to_peft, model_type=args.model_type, lora=args.lora, step=args.step)
     else:
-        ap.error("convert --from-hf to --to-orbax, or --from-orbax to --to-hf")
-    print(f"wrote {args.to_orbax or args.to_hf}", file=sys.stderr)
+        ap.error("convert --from-hf to --to-orbax, or --from-orbax to --to-hf, --to-peft or (merging LoRA) "
+                 "--to-orbax")
+    print(f"wrote {args.to_orbax or args.to_hf or args.to_peft}", file=sys.stderr)
     return 0
 
 

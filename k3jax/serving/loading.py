@@ -25,18 +25,25 @@ def is_hf_dir(path: pathlib.Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def load_model(path: str | pathlib.Path, *, step: int | None = None, config: Config | None = None, mesh=None):
+def load_model(path: str | pathlib.Path, *, step: int | None = None, config: Config | None = None, mesh=None,
+               lora: str | pathlib.Path | None = None):
     """(model, config) of a checkpoint, run or HF directory laid out on ``mesh`` (None: one device).
-    ``config``: refuse a checkpoint whose model differs. Raises ``checkpoint.CheckpointError``,
-    ``FileNotFoundError`` or ``ValueError`` naming the path."""
+    ``config``: refuse a checkpoint whose model differs. ``lora``: adapters to add (a LoRA run or a PEFT
+    directory, ``checkpoint.restore_adapters``); those and a LoRA run's own are merged into the weights.
+    Raises ``checkpoint.CheckpointError``, ``FileNotFoundError`` or ``ValueError`` naming the path."""
     ckpt = checkpoint_dir(path)
     if not is_hf_dir(ckpt):
-        return checkpoint.restore_model(ckpt, step=step, config=config, mesh=mesh)
-    from k3jax.interop import from_hf, load_hf_config
+        model, cfg = checkpoint.restore_model(ckpt, step=step, config=config, mesh=mesh)
+    else:
+        from k3jax.interop import from_hf, load_hf_config
 
-    _, info = load_hf_config(ckpt)
-    model = from_hf(ckpt, keep_mxfp4=info.mxfp4, mesh=mesh)
-    return model, Config(name=ckpt.name, model=model.cfg)
+        _, info = load_hf_config(ckpt)
+        model = from_hf(ckpt, keep_mxfp4=info.mxfp4, mesh=mesh)
+        cfg = Config(name=ckpt.name, model=model.cfg)
+    if lora is not None:
+        checkpoint.restore_adapters(model, lora, mesh=mesh)
+    model.merge_lora()  # decoding reads the merged weights: no low-rank matmuls per step
+    return model, cfg
 
 
 def load_checkpoint_tokenizer(path: str | pathlib.Path, cfg: Config):
