@@ -319,7 +319,7 @@ def test_template_turns_that_cannot_be_located_are_reported(tmp_path):
         render_conversation(tok, parse_conversation(named, "here"))
 
 
-def test_bundled_chat_set_and_show_command(capsys):
+def test_bundled_chat_set_and_show_command(capsys, tmp_path):
     from k3jax.data.show import main
 
     convs = open_conversations("bundled")
@@ -333,6 +333,9 @@ def test_bundled_chat_set_and_show_command(capsys):
     assert "\nassistant:[[ " in out and "␄]]" in out and "user: " in out
     assert main(["train.data.format=chat", "-n", "1", "--color", "always"]) == 0
     assert "\x1b[32;1m" in capsys.readouterr().out
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}])
+    assert main(["train.data.format=chat", f"train.data.source={bad}"]) == 1
+    assert f"error: {bad}: record 0 (line 1): messages[0].role: unknown role 'bot'" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("fast_xla_test")

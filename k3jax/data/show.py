@@ -60,8 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        show(cfg, args.n, args.split, color=args.color == "always" or (args.color == "auto" and sys.stdout.isatty()))
+    except (ValueError, FileNotFoundError) as e:  # a bad record, a missing file: one line, as train.py does
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def show(cfg, n: int, split: str, *, color: bool) -> None:
+    """Print the counts and the first ``n`` examples of ``split`` of ``cfg``'s data (module docstring)."""
     data, seq_len = cfg.train.data, cfg.train.seq_len
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     tokenizer = load_tokenizer(data.tokenizer)
     if data.format == "chat":
         records = open_conversations(data.source)
@@ -73,16 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"text data {data.source}: {len(records)} documents, every token trained "
               f"(pieces of at most seq_len={seq_len} tokens)")
     shown = 0
-    for i in split_indices(len(records), data.eval_fraction, args.split):
-        if shown >= args.n:
+    for i in split_indices(len(records), data.eval_fraction, split):
+        if shown >= n:
             break
-        for example in to_pieces.flat_map(records[int(i)])[:args.n - shown]:
+        for example in to_pieces.flat_map(records[int(i)])[:n - shown]:
             trained = int(example["loss_mask"].sum())
-            print(f"\n--- {args.split} example {shown} (record {int(i)}): {len(example['targets'])} tokens, "
+            print(f"\n--- {split} example {shown} (record {int(i)}): {len(example['targets'])} tokens, "
                   f"{trained} trained ---")
             print(mark_example(example, tokenizer.decode, color))
             shown += 1
-    return 0
 
 
 if __name__ == "__main__":
