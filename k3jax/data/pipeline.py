@@ -129,7 +129,7 @@ class DocumentToPieces(grain.experimental.FlatMapTransform):
         inputs, targets = arr[:-1], arr[1:]
         t = self.seq_len
         return [{"inputs": inputs[i:i + t], "targets": targets[i:i + t],
-                 "loss_mask": np.ones(len(inputs[i:i + t]), np.float32)} for i in range(0, len(inputs), t)]
+                 "loss_mask": np.ones(min(t, len(inputs) - i), np.float32)} for i in range(0, len(inputs), t)]
 
 
 def _finalize(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
