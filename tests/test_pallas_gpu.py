@@ -20,6 +20,8 @@ order. Measured here (interpret mode): fp32 KDA <= 2e-6 (dense tiles; dg 1.9e-6,
 <= 4.4e-3 (bound 2e-2); grouped matmul fp32 ~1.5e-7, bf16 1.7e-3 (bound 2^-8). docs/kernels.md has the table.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,9 +263,10 @@ def test_grouped_glu_experts_matches_reference(dtype):
 # ============================================================================= Triton lowering (no GPU needed)
 
 
-def triton_kernels(fn, *shapes, mesh=None):
-    """Lower ``jax.jit(fn)`` for CUDA from abstract shapes; return ``{name: Triton module text}`` for every
-    Pallas Triton custom call, each module parsed and verified with jaxlib's Triton dialect."""
+def triton_calls(fn, *shapes, mesh=None):
+    """Lower ``jax.jit(fn)`` for CUDA from abstract shapes; return ``[(name, Triton module text, launch)]`` for
+    every Pallas Triton custom call, each module parsed and verified with jaxlib's Triton dialect; launch =
+    ``{"grid": (x, y, z), "num_warps": .., "num_stages": ..}``."""
     from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect as tt_dialect
 
@@ -283,18 +286,26 @@ def triton_kernels(fn, *shapes, mesh=None):
                     if (o.operation.name == "stablehlo.custom_call"
                             and ir.StringAttr(o.attributes["call_target_name"]).value == TRITON):
                         cfg = ir.DictAttr(o.attributes["mhlo.backend_config"])
-                        found.append((ir.StringAttr(cfg["name"]).value, ir.StringAttr(cfg["ir"]).value_bytes))
+                        num = lambda key: ir.IntegerAttr(cfg[key]).value
+                        launch = {"grid": tuple(num(f"grid_{d}") for d in "xyz"), "num_warps": num("num_warps"),
+                                  "num_stages": num("num_stages")}
+                        found.append((ir.StringAttr(cfg["name"]).value, ir.StringAttr(cfg["ir"]).value_bytes, launch))
                     walk(o.operation)
 
     walk(module.operation)
-    out = {}
-    for name, bytecode in found:
+    out = []
+    for name, bytecode, launch in found:
         with ir.Context() as ctx:
             tt_dialect.register_dialect(ctx)
             tt_module = ir.Module.parse(bytecode)
             assert tt_module.operation.verify(), name
-            out[name] = str(tt_module)
+            out.append((name, str(tt_module), launch))
     return out
+
+
+def triton_kernels(fn, *shapes, mesh=None):
+    """``{name: Triton module text}`` of ``triton_calls``."""
+    return {name: text for name, text, _ in triton_calls(fn, *shapes, mesh=mesh)}
 
 
 def test_export_api_yields_triton_custom_calls():
@@ -324,23 +335,44 @@ def kda_fwd_bwd(safe_gate, segments, **kw):
     return fwd_bwd
 
 
+KDA_FORWARD = ["kda_intra_fwd_gpu", "kda_state_fwd_gpu", "kda_output_gpu"]
+KDA_BACKWARD = ["kda_intra_fwd_gpu", "kda_state_fwd_gpu", "kda_state_bwd_gpu", "kda_intra_bwd_gpu"]  # recompute first
+KDA_SEQUENTIAL = {"kda_state_fwd_gpu", "kda_state_bwd_gpu"}
+
+
+def check_kda_launches(calls, B, T, H, V, chunk, block_v, loop_stages):
+    """Forward + backward: the five kernels in order; only the recurrence kernels loop over chunks, on a
+    (B, H, V/BV) grid; the chunk-parallel kernels run one program per (batch, head, chunk)."""
+    assert [name for name, _, _ in calls] == KDA_FORWARD + KDA_BACKWARD
+    N, NV = T // chunk, V // block_v
+    for name, text, launch in calls:
+        assert "tt.dot" in text, name  # tensor-core products
+        grid = math.prod(launch["grid"])
+        if name in KDA_SEQUENTIAL:
+            assert "scf.for" in text and grid == B * H * NV and launch["num_stages"] == loop_stages, (name, launch)
+        else:
+            assert "scf.for" not in text, name  # no loop: a chunk per program
+            assert grid == B * H * N * (NV if name == "kda_output_gpu" else 1), (name, launch)
+
+
 @pytest.mark.gpu_lower
 @pytest.mark.parametrize("safe_gate,segments", [(True, True), (False, False)], ids=["dense-segments", "exact"])
 def test_kda_lowers_to_triton(safe_gate, segments):
-    kernels = triton_kernels(kda_fwd_bwd(safe_gate, segments, backend="gpu", interpret=False), *KDA_SHAPES)
-    assert set(kernels) == {"kda_chunk_fwd_gpu", "kda_chunk_bwd_gpu"}
-    for text in kernels.values():
-        assert "scf.for" in text and "tt.dot" in text  # the in-kernel chunk loop and tensor-core products
+    """K3's layer: 96 heads, K = V = 128, bf16, chunk 64: V blocks of 64, pipelined recurrence loops."""
+    calls = triton_calls(kda_fwd_bwd(safe_gate, segments, backend="gpu", interpret=False), *KDA_SHAPES)
+    check_kda_launches(calls, B, T, H, V, 64, block_v=64, loop_stages=2)
 
 
 @pytest.mark.gpu_lower
 def test_kda_fp32_lowers_to_triton():
-    shapes = [((1, T, 1, K), F32)] * 2 + [((1, T, 1, V), F32), ((1, T, 1, K), F32), ((1, T, 1), F32),
-                                          ((1, 1, K, V), F32), ((1, T), I32)]
-    kernels = triton_kernels(kda_fwd_bwd(True, True, backend="gpu", interpret=False), *shapes)
-    assert set(kernels) == {"kda_chunk_fwd_gpu", "kda_chunk_bwd_gpu"}
-    for text in kernels.values():  # fp32 operands are not rounded to TF32 (IEEE is the default, not printed)
-        assert "tt.dot" in text and "inputPrecision = tf32" not in text
+    """fp32 takes its own tiles (V blocks of 32, unpipelined recurrence loops: docs/kernels.md's shared
+    memory arithmetic) and keeps fp32 operands (no TF32)."""
+    shapes = [((1, T, 2, K), F32)] * 2 + [((1, T, 2, V), F32), ((1, T, 2, K), F32), ((1, T, 2), F32),
+                                          ((1, 2, K, V), F32), ((1, T), I32)]
+    calls = triton_calls(kda_fwd_bwd(True, True, backend="gpu", interpret=False), *shapes)
+    check_kda_launches(calls, 1, T, 2, V, 64, block_v=32, loop_stages=1)
+    for _, text, _ in calls:  # fp32 operands are not rounded to TF32 (IEEE is the default, not printed)
+        assert "inputPrecision = tf32" not in text
 
 
 MOE_M, MOE_D, MOE_F, MOE_E = 8192, 3584, 3072, 896
@@ -393,4 +425,4 @@ def test_default_backend_follows_a_gpu_mesh():
     small = [((1, 64, 1, 16), BF16)] * 3 + [((1, 64, 1, 16), F32), ((1, 64, 1), F32), ((1, 1, 16, 16), F32),
                                             ((1, 64), I32)]
     kernels = triton_kernels(kda_fwd_bwd(True, False), *small, mesh=mesh)
-    assert set(kernels) == {"kda_chunk_fwd_gpu", "kda_chunk_bwd_gpu"}
+    assert set(kernels) == set(KDA_FORWARD + KDA_BACKWARD)

@@ -10,6 +10,12 @@ power-of-two register blocks with no slicing, no row concatenation and 2-D ``tl.
 reductions and ``[1, K] <-> [K, 1]`` reshapes. The strictly-upper tiles (all zero) are never formed,
 which also halves the score and inverse work of the full-chunk form.
 
+The chunk's work is split as the GPU kernels split it (``chunk_gpu.py``): ``intra`` is everything that
+needs no state (scores, inverse, W, the gate factors), ``wy_values`` the values' share U; the state
+recurrence and the output are plain ``[C, *]`` matmuls in their own kernels; the backward's state-dependent
+products are summed over V blocks by ``v_block_backward`` and turned into dq, dk, d(beta k), dGs by
+``intra_backward``.
+
 Anchors (docs/kernels.md): the score between query row ``i`` of sub-tile ``a`` and key row ``j`` of
 sub-tile ``b <= a`` is ``exp(Gs_i) * F_ab[j]`` with ``F_ab = exp(c_a - G_j)`` and the anchor ``c_a`` the chunk
 cumsum at the row before sub-tile ``a`` (causal past, fixed): ``F_ab <= 1`` for ``b < a``; on the diagonal
@@ -49,9 +55,10 @@ class Segments:
 
 @dataclasses.dataclass
 class Chunk:
-    """One chunk of one (batch, head[, V block]), as NC sub-tiles.
+    """One chunk of one (batch, head), as NC sub-tiles.
 
-    q: [BC, K] fp32, already scaled; k, kb (= beta * k): [BC, K] fp32; vb (= beta * v): [BC, BV] in mmdt;
+    q: [BC, K] fp32, already scaled; k, kb (= beta * k): [BC, K] fp32; vb (= beta * v): [BC, V] in mmdt (None
+    where a kernel reads it V block by V block);
     Gs: [BC, K] fp32 sub-tile-local inclusive cumsum of g; tot: [1, K] fp32 the last row of each Gs
     (the sub-tile's total); seg: ``Segments`` or None; pieces (exact path only): per sub-tile a list of
     ``(q, k, kb, Gs)`` column pieces ``[BC, KP]`` covering K, for the ``[BC, BC, KP]`` exact diagonal tiles.
@@ -195,8 +202,37 @@ def block_unit_lower_inverse(L, NC, BC, precision):
     return X
 
 
-def _recompute(ch, S, exact, mmdt):
-    """Forward quantities of one chunk shared by ``chunk_forward`` and ``chunk_backward``."""
+@dataclasses.dataclass
+class Intra:
+    """The chunk-local (state-independent) quantities of one chunk, all lists of NC ``[BC, *]`` tiles or
+    dicts of lower ``[BC, BC]`` tiles, fp32 unless noted.
+
+    A_qk: masked output scores; inv / inv_m: ``(I + L)^-1`` (fp32 / mmdt); Wr = ``exp(G) kb`` (times
+    reads_state), W = ``Inv Wr`` (the state's read-out weights, ``delta = U - W S``); Qg = ``q exp(G)``
+    (times reads_state); k_out = ``k exp(G_last - G)`` (times in_last); decay = ``exp(G_last)`` [1, K]
+    (times no_reset): the state update is ``S' = Diag(decay) S + k_out^T delta``. gt, xq, xk, KF: the gate
+    factors and score operands the backward reuses; rs, il: reads_state / in_last (None without segments).
+    """
+
+    gt: Gate
+    A_qk: dict
+    inv: dict
+    inv_m: dict
+    Wr: list
+    W: list
+    Qg: list
+    k_out: list
+    decay: object
+    xq: list
+    xk: list
+    KF: dict
+    rs: list
+    il: list
+
+
+def intra(ch: Chunk, *, exact, mmdt) -> Intra:
+    """Scores, triangular inverse and WY weights of one chunk: no state involved, so every chunk of every
+    head is independent (the chunk-parallel kernels)."""
     NC = ch.NC
     gt = Gate(ch)
     A_qk, A_kk, xq, xk, KF = scores(ch, gt, exact, mmdt)
@@ -207,73 +243,81 @@ def _recompute(ch, S, exact, mmdt):
     inv_m = {ab: t.astype(mmdt) for ab, t in inv.items()}
     Wr = [_times(gt.eG[b] * ch.kb[b], rs[b]) for b in range(NC)]  # [BC, K]
     Wr_m = [w.astype(mmdt) for w in Wr]
-    U = [_sum([mm(inv_m[a, b], ch.vb[b]) for b in range(a + 1)]) for a in range(NC)]  # [BC, BV]
     W = [_sum([mm(inv_m[a, b], Wr_m[b]) for b in range(a + 1)]) for a in range(NC)]  # [BC, K]
-    S_m = S.astype(mmdt)
-    delta = [U[a] - mm(W[a].astype(mmdt), S_m) for a in range(NC)]  # pseudo-values [BC, BV]
     Qg = [_times(ch.q[a] * gt.eG[a], rs[a]) for a in range(NC)]
     k_out = [_times(ch.k[b] * gt.k_end[b], il[b]) for b in range(NC)]
-    dvec = _times(jnp.exp(gt.G_last), no_reset)  # [1, K] decay of the incoming state over the chunk
-    return dict(gt=gt, A_qk=A_qk, L=L, inv=inv, inv_m=inv_m, xq=xq, xk=xk, KF=KF, Wr=Wr, W=W, S_m=S_m,
-                delta=delta, Qg=Qg, k_out=k_out, dvec=dvec, rs=rs, il=il)
+    decay = _times(jnp.exp(gt.G_last), no_reset)  # [1, K] decay of the incoming state over the chunk
+    return Intra(gt=gt, A_qk=A_qk, inv=inv, inv_m=inv_m, Wr=Wr, W=W, Qg=Qg, k_out=k_out, decay=decay, xq=xq,
+                 xk=xk, KF=KF, rs=rs, il=il)
 
 
-def chunk_forward(ch: Chunk, S, *, exact, mmdt):
-    """One chunk: returns ``(o, S_new)``: o a list of NC ``[BC, BV]`` fp32 tiles, S_new [K, BV] fp32.
+def wy_values(f: Intra, vb):
+    """``U = Inv vb``: NC x [BC, V] fp32 from vb = beta v (NC x [BC, V] in mmdt); ``delta = U - W S``."""
+    return [_sum([mm(f.inv_m[a, b], vb[b]) for b in range(a + 1)]) for a in range(len(vb))]
 
-    S is the fp32 state [K, BV] entering the chunk (one V block of it).
+
+@dataclasses.dataclass
+class VSums:
+    """The backward's sums over V (accumulated V block by V block): dk_out, dQg, dW (NC x [BC, K]), the
+    tiles dA_qk (unmasked) and dInv_v (the ``ddelta vb^T`` part of dInv), and ``sum_v S dS'`` [1, K]."""
+
+    dk_out: list
+    dQg: list
+    dW: list
+    dA_qk: dict
+    dInv: dict
+    dG_last: object
+
+    @classmethod
+    def zeros(cls, NC, BC, K):
+        z = lambda shape: jnp.zeros(shape, F32)
+        tiles = lambda: {(a, b): z((BC, BC)) for a in range(NC) for b in range(a + 1)}
+        return cls(dk_out=[z((BC, K))] * NC, dQg=[z((BC, K))] * NC, dW=[z((BC, K))] * NC, dA_qk=tiles(),
+                   dInv=tiles(), dG_last=z((1, K)))
+
+
+def v_block_backward(f: Intra, sums: VSums, *, vb, delta, ddelta, dO, S, dSp, mmdt):
+    """One V block of the backward's state-dependent products; returns ``(dvb, sums)``.
+
+    vb, delta (mmdt), ddelta (fp32), dO: NC x [BC, BV] of this V block; S: the state entering the chunk and
+    dSp the cotangent of the state leaving it, [K, BV] in mmdt (as stored by the recurrence kernels); ddelta
+    the pseudo-values' cotangent ``A_qk^T dO + k_out dS'`` from the backward recurrence. dvb = ``Inv^T
+    ddelta`` (NC x [BC, BV] fp32) is complete for the block; everything else is summed over blocks.
     """
-    NC = ch.NC
-    f = _recompute(ch, S, exact, mmdt)
-    delta_m = [d.astype(mmdt) for d in f["delta"]]
-    A_m = {ab: t.astype(mmdt) for ab, t in f["A_qk"].items()}
-    o = [mm(f["Qg"][a].astype(mmdt), f["S_m"]) + _sum([mm(A_m[a, b], delta_m[b]) for b in range(a + 1)])
-         for a in range(NC)]
-    S_new = S * col(f["dvec"]) + _sum([mm(f["k_out"][b].astype(mmdt), delta_m[b], trans_a=True) for b in range(NC)])
-    return o, S_new
-
-
-def chunk_backward(ch: Chunk, S, dO, dSp, *, exact, mmdt):
-    """VJP of ``chunk_forward`` for one chunk (see ``_math.chunk_backward`` for the derivation).
-
-    S: the state entering the chunk [K, BV]; dO: NC x [BC, BV] output cotangent; dSp: [K, BV] cotangent of
-    the state leaving the chunk. Returns ``(dq, dk, dkb, dvb, dGs, dS)``: lists of NC ``[BC, *]`` tiles (dq
-    with respect to the *scaled* q, dGs to the sub-tile cumsum) and dS [K, BV], all fp32. With V split in
-    blocks, dq, dk, dkb and dGs are this block's share (they are linear in per-V-block terms: the caller
-    sums them over blocks); dvb and dS are complete for the block.
-    """
-    NC, BC = ch.NC, ch.BC
-    f = _recompute(ch, S, exact, mmdt)
-    gt, inv, inv_m, S_m = f["gt"], f["inv"], f["inv_m"], f["S_m"]
-    delta_m = [d.astype(mmdt) for d in f["delta"]]
-    W, Wr, Qg, k_out, rs, il = f["W"], f["Wr"], f["Qg"], f["k_out"], f["rs"], f["il"]
+    NC = len(delta)
     prec = inv_precision(mmdt)
-    dO_m = [d.astype(mmdt) for d in dO]
-    dSp_m = dSp.astype(mmdt)
-
-    # ---- state update S' = Diag(dvec) S + k_out^T delta
-    dk_out = [mm(delta_m[b], dSp_m, trans_b=True) for b in range(NC)]  # [BC, K]
-    ddelta = [mm(k_out[b].astype(mmdt), dSp_m) for b in range(NC)]  # [BC, BV]
-    dG_last = jnp.sum(S * dSp, axis=1).reshape(1, S.shape[0]) * f["dvec"]  # [1, K]: sum over this V block
-    dS = dSp * col(f["dvec"])
-    # ---- output o = Qg S + A_qk delta
-    dQg = [mm(dO_m[a], S_m, trans_b=True) for a in range(NC)]  # [BC, K]
-    dS = dS + _sum([mm(Qg[a].astype(mmdt), dO_m[a], trans_a=True) for a in range(NC)])
-    dA_qk = {(a, b): _apply(_mask(ch, a, b, strict=False), mm(dO_m[a], delta_m[b], trans_b=True))
-             for a in range(NC) for b in range(a + 1)}
-    A_m = {ab: t.astype(mmdt) for ab, t in f["A_qk"].items()}
-    ddelta = [ddelta[b] + _sum([mm(A_m[a, b], dO_m[a], trans_a=True) for a in range(b, NC)]) for b in range(NC)]
-    # ---- delta = U - W S
+    S_m, dSp_m = S.astype(mmdt), dSp.astype(mmdt)
+    delta_m = [d.astype(mmdt) for d in delta]
     ddelta_m = [d.astype(mmdt) for d in ddelta]
-    dW = [-mm(ddelta_m[a], S_m, trans_b=True) for a in range(NC)]  # [BC, K]
-    dS = dS - _sum([mm(W[a].astype(mmdt), ddelta_m[a], trans_a=True) for a in range(NC)])
-    # ---- U = Inv vb, W = Inv Wr, Inv = (I + L)^-1
+    dO_m = [d.astype(mmdt) for d in dO]
+    vb32 = [v.astype(F32) for v in vb]
+    # S' = Diag(decay) S + k_out^T delta;  o = Qg S + A_qk delta;  delta = U - W S;  U = Inv vb
+    sums = VSums(
+        dk_out=[sums.dk_out[b] + mm(delta_m[b], dSp_m, trans_b=True) for b in range(NC)],
+        dQg=[sums.dQg[a] + mm(dO_m[a], S_m, trans_b=True) for a in range(NC)],
+        dW=[sums.dW[a] - mm(ddelta_m[a], S_m, trans_b=True) for a in range(NC)],
+        dA_qk={(a, b): t + mm(dO_m[a], delta_m[b], trans_b=True) for (a, b), t in sums.dA_qk.items()},
+        dInv={(p, q): t + mm(ddelta[p], vb32[q], trans_b=True, precision=prec) for (p, q), t in sums.dInv.items()},
+        dG_last=sums.dG_last + jnp.sum(S.astype(F32) * dSp.astype(F32), axis=1).reshape(1, S.shape[0]),
+    )
+    dvb = [_sum([mm(f.inv_m[a, b], ddelta_m[a], trans_a=True) for a in range(b, NC)]) for b in range(NC)]
+    return dvb, sums
+
+
+def intra_backward(ch: Chunk, f: Intra, sums: VSums, *, exact, mmdt):
+    """The K side of one chunk's backward, from the V sums: returns ``(dq, dk, dkb, dGs)``, NC x [BC, K]
+    fp32 each (dq with respect to the *scaled* q, dGs to the sub-tile cumsum); see ``_math.chunk_backward``
+    for the derivation."""
+    NC, BC = ch.NC, ch.BC
+    gt, inv, inv_m = f.gt, f.inv, f.inv_m
+    Wr, Qg, k_out, rs, il = f.Wr, f.Qg, f.k_out, f.rs, f.il
+    prec = inv_precision(mmdt)
+    dk_out, dQg, dW = sums.dk_out, sums.dQg, sums.dW
+    dA_qk = {ab: _apply(_mask(ch, *ab, strict=False), t) for ab, t in sums.dA_qk.items()}
+    # ---- W = Inv Wr, Inv = (I + L)^-1
     dW_m = [d.astype(mmdt) for d in dW]
-    dvb = [_sum([mm(inv_m[a, b], ddelta_m[a], trans_a=True) for a in range(b, NC)]) for b in range(NC)]
     dWr = [_sum([mm(inv_m[a, b], dW_m[a], trans_a=True) for a in range(b, NC)]) for b in range(NC)]
-    vb32 = [v.astype(F32) for v in ch.vb]
-    dInv = {(p, q): mm(ddelta[p], vb32[q], trans_b=True, precision=prec)
-            + mm(dW[p], Wr[q], trans_b=True, precision=prec) for p in range(NC) for q in range(p + 1)}
+    dInv = {(p, q): t + mm(dW[p], Wr[q], trans_b=True, precision=prec) for (p, q), t in sums.dInv.items()}
     # dL = -(Inv^T dInv Inv^T) on the strictly lower part: X = Inv^T dInv, then dL = -X Inv^T
     X = {(i, q): _sum([mm(inv[p, i], dInv[p, q], trans_a=True, precision=prec) for p in range(i, NC)])
          for i in range(NC) for q in range(i + 1)}
@@ -285,16 +329,16 @@ def chunk_backward(ch: Chunk, S, dO, dSp, *, exact, mmdt):
     dkb = [_times(dWr[a] * gt.eG[a], rs[a]) for a in range(NC)]
     dk = [_times(dk_out[a] * gt.k_end[a], il[a]) for a in range(NC)]
     dG = [dWr[a] * Wr[a] + dQg[a] * Qg[a] - dk_out[a] * k_out[a] for a in range(NC)]
-    dG_last = dG_last + _sum([colsum(dk_out[a] * k_out[a]) for a in range(NC)])
+    dG_last = sums.dG_last * f.decay + _sum([colsum(dk_out[a] * k_out[a]) for a in range(NC)])
     # ---- scores: A[i, j] = sum_d x_id k_jd exp(G_id - G_jd) -> dx, dk and dG = x dx - k dk
     dxq, dxk, dks = [], [], [jnp.zeros_like(t) for t in ch.k]
     dAq_m = {ab: t.astype(mmdt) for ab, t in dA_qk.items()}
     dL_m = {ab: t.astype(mmdt) for ab, t in dL.items()}
     for a in range(NC):
-        xq_m, xk_m = f["xq"][a].astype(mmdt), f["xk"][a].astype(mmdt)
+        xq_m, xk_m = f.xq[a].astype(mmdt), f.xk[a].astype(mmdt)
         terms_q, terms_k = [], []
         for b in range(a + 1 - int(exact)):  # anchored tiles: A = (q exp(Gs_i)) (k F)^T
-            KF = f["KF"][a, b]
+            KF = f.KF[a, b]
             terms_q.append(mm(dAq_m[a, b], KF))
             terms_k.append(mm(dL_m[a, b], KF))
             dKF = mm(dAq_m[a, b], xq_m, trans_a=True) + mm(dL_m[a, b], xk_m, trans_a=True)  # [BC(j), K]
@@ -313,9 +357,9 @@ def chunk_backward(ch: Chunk, S, dO, dSp, *, exact, mmdt):
     # ---- G -> Gs: G_i = Gs_i + sum_{s < sub-tile(i)} tot_s, G_last = sum_s tot_s = G of the last row
     last_row = iota((BC, 1), 0) == BC - 1
     dG[NC - 1] = dG[NC - 1] + jnp.where(last_row, dG_last, 0.0)
-    sums = [colsum(d) for d in dG]
-    dGs = [dG[a] + (jnp.where(last_row, _sum(sums[a + 1:]), 0.0) if a < NC - 1 else 0.0) for a in range(NC)]
-    return dq, dk, dkb, dvb, dGs, dS
+    col_sums = [colsum(d) for d in dG]
+    dGs = [dG[a] + (jnp.where(last_row, _sum(col_sums[a + 1:]), 0.0) if a < NC - 1 else 0.0) for a in range(NC)]
+    return dq, dk, dkb, dGs
 
 
 def _exact_diag_bwd(pieces, tq, tk, K):

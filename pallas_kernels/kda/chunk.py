@@ -1,8 +1,8 @@
 """Chunkwise KDA as Pallas kernels: ``chunk_kda``, interchangeable with ``k3jax.ops.chunk_kda``.
 
 This file holds the TPU (Mosaic) kernels and the public entry point; ``backend="gpu"`` dispatches to the
-Triton kernels of ``chunk_gpu.py`` (same preparation and custom-VJP structure, per-sub-tile algebra of
-``_tiles.py``). Both run in interpret mode on CPU.
+Triton kernels of ``chunk_gpu.py`` (same preparation; the chunk-local work split from the state recurrence
+into kernels of its own, as fla does). Both run in interpret mode on CPU.
 
 TPU structure:
 
@@ -319,7 +319,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       exponents on the diagonal tiles (any g <= 0, e.g. the softplus gate); None = choose at run time
       with ``lax.cond`` on the gate (both variants are compiled).
 
-    ``chunk_size`` must be a multiple of 16; the chunk is ``min(chunk_size, T rounded up to 16)``.
+    ``chunk_size`` must be a multiple of 16 (a power of two on GPU); the chunk is ``min(chunk_size, T rounded
+    up to 16)`` (on GPU: up to a power of two).
     float64 inputs fall back to the pure-JAX reference (Pallas kernels run in fp32).
 
     - ``backward``: ``"pallas"`` (the Pallas backward kernel) or ``"xla"`` (VJP of the pure-JAX reference).
@@ -345,7 +346,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
         o, hT = chunk_kda_gpu(q, k, v, g, beta, scale=float(K**-0.5 if scale is None else scale),
                               initial_state=initial_state, segment_ids=segment_ids,
-                              chunk=min(chunk_size, -(-T // BC) * BC), interpret=interpret, safe_gate=safe_gate,
+                              chunk_size=chunk_size, interpret=interpret, safe_gate=safe_gate,
                               mmdt=mmdt, backward=backward, **(gpu_options or {}))
         return o, (hT if output_final_state else None)
     cfg = Config(
