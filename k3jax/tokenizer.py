@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -208,20 +209,28 @@ class Tokenizer:
         return ids
 
     def _render_jinja(self, messages, *, add_generation_prompt, tools, **kwargs) -> str:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        return _compiled_template(self.chat_template).render(
             messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _raise_template_error(msg):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(msg)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """The jinja template compiled once per template text, in the sandbox transformers renders in
+    (compiling costs ~10 ms, rendering a conversation well under one: chat data renders every record)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(template)
 
 
 # ---------------------------------------------------------------------------------------------
