@@ -4,6 +4,10 @@
 - ``mx``: the JAX block quantizer (integer arithmetic on IEEE bits: identical bytes on every backend);
 - ``mxfp4`` / ``mxfp8``: the public quantize / dequantize / fake-quantize functions;
 - ``ste``: the straight-through estimator used by quantization-aware training;
+- ``storage``: what every compressed weight in a model shares (``QuantizedStorage`` variables, never
+  trained; the ``QuantizedWeight`` interface the layers' accessors dequantize through);
+- ``int4`` / ``fp8_block``: compressed-tensors INT4 (K2 Thinking) and DeepSeek block FP8 (K2) weights
+  kept compressed (``quant.experts=int4`` / ``fp8_block``);
 - ``packed``: packed MXFP4 weights as model state (deployment). Turning a dense model into a packed
   one is a whole-model transform and lives above the model: ``k3jax.interop.packed_experts``.
 
