@@ -1,4 +1,4 @@
-"""Microscaling quantization (MXFP4 weights, MXFP8 activations) for K3's routed experts.
+"""Quantization of the routed experts: MXFP4 weights and MXFP8 activations (K3), INT4 and block FP8 (K2 releases).
 
 - ``formats``: the OCP MX element / scale formats and the scale rules;
 - ``mx``: the JAX block quantizer (integer arithmetic on IEEE bits: identical bytes on every backend);
