@@ -31,9 +31,10 @@ import jax
 import numpy as np
 
 from k3jax import checkpoint, compile_cache, distributed
-from k3jax.config import Config, ConfigError, load_config
+from k3jax.config import ConfigError, load_config
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
+from k3jax.serving.loading import checkpoint_dir, load_checkpoint_tokenizer, load_model
 from k3jax.serving.server import add_arguments as add_serve_arguments
 from k3jax.serving.server import serve
 from k3jax.sharding import make_mesh, parse_mesh, use_mesh
@@ -49,24 +50,10 @@ def _checkpoint_dir(path: str | None) -> pathlib.Path:
                              f"`python train.py` (the default main job), or pass --checkpoint PATH")
         print(f"(using the latest checkpoint of the default run: {ckpt})", file=sys.stderr)
         return ckpt
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise SystemExit(f"checkpoint path {p} does not exist")
-    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
-
-
-def _is_hf_dir(path: pathlib.Path) -> bool:
-    """A Hugging Face model directory: config.json and safetensors weights."""
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def _load_hf(path: pathlib.Path, mesh):
-    """The model of a HF directory; routed experts stored MXFP4-packed are kept packed."""
-    from k3jax.interop import from_hf, load_hf_config
-
-    _, info = load_hf_config(path)
-    model = from_hf(path, keep_mxfp4=info.mxfp4, mesh=mesh)
-    return model, Config(name=path.name, model=model.cfg)
+    try:
+        return checkpoint_dir(path)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
 
 
 class _Printer:
@@ -156,18 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
-    hf = _is_hf_dir(ckpt)
-    try:
-        model, cfg = (_load_hf(ckpt, placement) if hf else
-                      checkpoint.restore_model(ckpt, step=args.step, config=expected, mesh=placement))
+    try:  # a LoRA run's or --lora's adapters come merged: decoding reads the merged weights (no extra matmuls)
+        model, cfg = load_model(ckpt, step=args.step, config=expected, mesh=placement, lora=args.lora)
         if tokenizer is None:
-            tokenizer = (load_tokenizer(str(ckpt), source="--checkpoint (or name one with --tokenizer)") if hf else
-                         load_tokenizer(cfg.train.data.tokenizer, source=f"train.data.tokenizer of {ckpt}"))
-        if args.lora:
-            checkpoint.restore_adapters(model, args.lora, mesh=placement)
+            tokenizer = load_checkpoint_tokenizer(ckpt, cfg)
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    model.merge_lora()  # a LoRA run's or --lora's adapters: decoding reads the merged weights (no extra matmuls)
     if args.serve:
         return serve(model, tokenizer, args, name=cfg.name, mesh=mesh)
     images = None
