@@ -37,7 +37,7 @@ IN_FLIGHT_PER_ROW = 4
 @register_model("k3jax")
 class K3JaxLM(TemplateLM):
     """``checkpoint``: a run, checkpoint or HF directory (``step``: which checkpoint; ``tokenizer``:
-    another tokenizer spec); or, from Python, a ``model`` and its ``tokenizer`` objects. ``mesh``:
+    another tokenizer spec; ``lora``: adapters to merge in, as ``infer.py --lora``); or, from Python, a ``model`` and its ``tokenizer`` objects. ``mesh``:
     the device mesh as for ``infer.py`` (axes separated by ``;`` inside ``--model_args``, whose
     fields are comma-separated). ``max_length``: tokens per request (default: the model's
     ``max_seq_len``; longer contexts lose their start). ``prefix_token``: the token an empty context
@@ -45,10 +45,12 @@ class K3JaxLM(TemplateLM):
     ``max_batch_size`` are the harness's own arguments: JAX places the work, ``batch_size`` sizes it."""
 
     def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, step: int | None = None,
-                 mesh: str = "fsdp=-1", batch_size: int | str | None = None, max_length: int | None = None,
+                 lora: str | None = None, mesh: str = "fsdp=-1", batch_size: int | str | None = None, max_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
                  prefix_token: int | None = None, device: str | None = None, max_batch_size: int | None = None):
         super().__init__()
+        if model is not None and lora is not None:
+            raise ValueError("k3jax: lora= goes with checkpoint=; merge a model's adapters with model.merge_lora()")
         if (checkpoint is None) == (model is None):
             raise ValueError("k3jax: pass checkpoint=PATH (a run, checkpoint or HF directory) or, from Python, "
                              "model= and tokenizer=")
@@ -59,7 +61,8 @@ class K3JaxLM(TemplateLM):
             from k3jax.sharding import make_mesh, parse_mesh
 
             device_mesh = make_mesh(parse_mesh(str(mesh).replace(";", ",")))
-            model, cfg = load_model(str(checkpoint), step=step, mesh=device_mesh if device_mesh.size > 1 else None)
+            model, cfg = load_model(str(checkpoint), step=step, mesh=device_mesh if device_mesh.size > 1 else None,
+                                    lora=lora)
             tokenizer = (load_tokenizer(str(tokenizer), source="tokenizer") if tokenizer is not None
                          else load_checkpoint_tokenizer(str(checkpoint), cfg))
         elif tokenizer is None:
