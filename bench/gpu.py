@@ -1,30 +1,33 @@
-"""One GPU session in one script: the checks and timings that need a GPU; prints one JSON document.
+"""One GPU session in one short command: the checks and timings that need a GPU, most important first.
 
-    python bench/gpu.py --out DIR                 # everything, ~6 minutes on one H200
+    python bench/gpu.py --out DIR                 # default sections: at most 8.3 minutes (their time boxes)
     JAX_PLATFORMS=cpu python bench/gpu.py --quick # smoke run on CPU (kernels in interpret mode, tiny shapes)
 
-Sections, in order (``--sections`` picks some; each is written to ``DIR/gpu.json`` as soon as it ends, so a
-run cut off at its time limit keeps what it finished):
+Every section runs in a child process of its own, time-boxed (``BUDGET_S``, ``--budget-scale``): a case
+that would start after the section's deadline is skipped and named, and a child still running at its
+hard limit is killed without losing what it wrote. Progress goes to stderr as it happens; each section's
+results to ``DIR/<section>.json`` after every case, the merged report to ``DIR/gpu.json`` after every
+section and to stdout at the end. Sections, in order (``--sections`` picks some):
 
-- ``ceilings``: the device's measured bf16 and fp32 matmul rates (XLA, 8192^3, median of 10) and its
-  device-to-device copy bandwidth (bytes read + written): the peaks every figure below is divided by;
-- ``check``: correctness on the device, on fresh random inputs. The Triton chunk-KDA kernel (forward, final
-  state and all six gradients; fp32 and bf16; T not a multiple of the chunk; packed segments) and the
-  grouped matmuls (``gmm``, transposed, ``tgmm``; uneven groups with an empty expert) against the pure-JAX
-  ops at HIGHEST precision on the same device, and the pure-JAX chunk KDA on the device against itself on
-  the CPU. RMS-relative errors; fp32 should be ~1e-6, bf16 inputs ~1e-2;
-- ``kda``: chunk KDA forward and forward + backward, bf16 q/k/v (fp32 gate and beta), at ``--kda-shape``:
-  the Triton kernel, the pure-JAX op (XLA), fla-core's Triton ``chunk_kda`` and HF transformers' torch
-  chunk KDA on the same GPU (the torch peers when importable);
+- ``check``: values on the device, fresh random inputs, RMS-relative errors against the pure-JAX ops at
+  HIGHEST precision on the same device: the Triton chunk KDA (output, final state and all six
+  gradients; bf16 dense and with packed documents, fp32 with packed documents, the exact-tile path),
+  then the grouped matmuls (``gmm``, transposed, ``tgmm``; uneven groups with an empty expert), then the
+  pure-JAX KDA on the device against itself on the CPU. fp32 should be ~1e-6, bf16 inputs ~1e-2;
+- ``kda``: chunk KDA forward and forward + backward at B 1, T 8192, K = V = 128, chunk 64, bf16 q/k/v
+  (fp32 gate and beta), H 16, 32 and 8: the Triton kernels (``pallas_kernels.kda``, ``safe_gate=True``),
+  the pure-JAX op (XLA) and fla-core's Triton ``chunk_kda`` (imported, or installed from the ``*.whl``
+  files beside this script into a temporary directory when fla is absent: the machine has no package
+  index), plus the Triton output's error against XLA's at that shape;
 - ``moe``: the grouped matmuls at K3's per-device shape, bf16: Triton kernels against ``lax.ragged_dot``;
-- ``train``: the step ``train.py`` runs (``make_train_step``; Muon + AdamW, Quantile Balancing) with bf16
-  compute, for each ``model.kda_impl`` / ``model.moe_impl`` pair, against HF ``KimiLinearForCausalLM`` of
-  the same size (``bench/common.hf_kimi_linear_config``; torch AdamW, bf16 autocast) on the same GPU.
-  ``achieved`` = ``6 N_active tokens`` + attention / recurrence FLOPs (``train_step.model_flops_per_step``)
-  per second, against the measured bf16 matmul rate.
+- ``ceilings``: the device's measured bf16 and fp32 matmul rates (XLA, 8192^3) and its device-to-device
+  copy bandwidth (bytes read + written): the peaks the figures above are divided by;
+- ``train`` (not run by default): the step ``train.py`` runs (``make_train_step``; Muon + AdamW, Quantile
+  Balancing) with bf16 compute, for each ``model.kda_impl`` / ``model.moe_impl`` pair, against HF
+  ``KimiLinearForCausalLM`` of the same size on the same GPU (needs transformers, grain).
 
 Timings: warm-up calls first (compiles, Triton autotuning), then the median of ``--repeats`` calls, each
-waited for (``block_until_ready`` / ``torch.cuda.synchronize``).
+waited for (``block_until_ready`` / ``torch.cuda.synchronize``). ``first_call_s`` is the compile.
 """
 
 from __future__ import annotations
@@ -34,25 +37,25 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu")  # cpu too: the check compares with it
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
-from common import hf_kimi_linear_config, log, median, randomize_torch, torch_param_counts  # noqa: E402
+HERE = pathlib.Path(__file__).resolve().parent
+SECTIONS = ["check", "kda", "moe", "ceilings", "train"]
+DEFAULT_SECTIONS = "check,kda,moe,ceilings"
+# seconds per section on one H100 (the device budget of a session is 15 minutes, all calls together)
+BUDGET_S = {"check": 140, "kda": 200, "moe": 50, "ceilings": 25, "train": 300}
+GRACE_S = 20  # past the deadline, before the child is killed (a case already running finishes)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import kernels  # noqa: E402
-
-HI = jax.lax.Precision.HIGHEST
-
-# (B, T, H, K, V, chunk)
-KDA_SHAPES = {"quick": (1, 96, 2, 32, 32, 32), "full": (2, 8192, 16, 128, 128, 64)}
+# (B, T, H, K, V, chunk) per timed KDA case, in order
+KDA_SHAPES = {"quick": [(1, 96, 2, 32, 32, 32)],
+              "full": [(1, 8192, 16, 128, 128, 64), (1, 8192, 32, 128, 128, 64), (1, 8192, 8, 128, 128, 64)]}
 # (rows M = tokens x top-k, D, F, experts E): K3's per-device expert shape at 64-way EP
 MOE_SHAPES = {"quick": (256, 64, 96, 6), "full": (32768, 3584, 3072, 14)}
 # train-step runs: (name, config, overrides, batch, seq_len)
@@ -65,7 +68,49 @@ TRAIN_RUNS = {"quick": [("tiny", "tiny", [], 2, 32)],
 IMPLS = [("xla", "ragged_dot"), ("pallas", "pallas")]
 
 
+class Section:
+    """A section's results, saved to ``DIR/<name>.json`` after every case (``{"results": .., "meta": ..}``;
+    meta: the device, each case's seconds), and its time box."""
+
+    def __init__(self, name, out_dir, budget_s):
+        self.name, self.path = name, pathlib.Path(out_dir) / f"{name}.json"
+        self.deadline = time.monotonic() + budget_s
+        self.results, self.meta = {}, {"budget_s": budget_s, "case_seconds": {}}
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def save(self):
+        self.path.write_text(json.dumps({"results": self.results, "meta": self.meta}, indent=1, default=float))
+
+    def case(self, key, fn):
+        """``results[key] = fn()``, or its error, or a skip past the deadline: one failing or slow case must
+        not hide the others."""
+        from common import log
+
+        if self.left() <= 0:
+            self.results[key] = {"skipped": "section time box"}
+        else:
+            t = time.perf_counter()
+            try:
+                self.results[key] = fn()
+            except Exception as e:  # noqa: BLE001 - report and go on
+                self.results[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            self.meta["case_seconds"][key] = round(time.perf_counter() - t, 1)
+        log(f"  {key}: {short(self.results[key])}")
+        self.save()
+        return self.results[key]
+
+
+def short(r):
+    if isinstance(r, dict):
+        return {k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in r.items()}
+    return r
+
+
 def rms_rel(a, b) -> float:
+    import numpy as np
+
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if not np.all(np.isfinite(a)):
         return float("nan")
@@ -74,6 +119,9 @@ def rms_rel(a, b) -> float:
 
 def jax_time(f, args, repeats):
     """(first call s, median s) of a jitted ``f(*args)``."""
+    import jax
+    from common import median
+
     t = time.perf_counter()
     jax.block_until_ready(f(*args))
     first = time.perf_counter() - t
@@ -88,6 +136,7 @@ def jax_time(f, args, repeats):
 
 def torch_time(f, args, repeats):
     import torch
+    from common import median
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     t = time.perf_counter()
@@ -108,21 +157,21 @@ def torch_time(f, args, repeats):
 # ----------------------------------------------------------------------------- ceilings
 
 
-def ceilings(quick, repeats):
+def ceilings(sec, quick, repeats, seed, args):
+    import jax
+    import jax.numpy as jnp
+
+    HI = jax.lax.Precision.HIGHEST
     n = 512 if quick else 8192
-    out = {}
     for name, dtype, prec in (("bf16", jnp.bfloat16, None), ("fp32_highest", jnp.float32, HI),
                               ("fp32_default", jnp.float32, None)):
         ks = jax.random.split(jax.random.PRNGKey(0), 2)
         a, b = (jax.random.normal(k, (n, n), dtype) for k in ks)
         f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=prec, preferred_element_type=jnp.float32))
-        _, t = jax_time(f, (a, b), repeats)
-        out[f"matmul_{name}_tflops"] = round(2 * n**3 / t / 1e12, 2)
+        sec.case(f"matmul_{name}", lambda f=f, a=a, b=b: {"tflops": 2 * n**3 / jax_time(f, (a, b), repeats)[1] / 1e12,
+                                                         "n": n})
     x = jax.random.normal(jax.random.PRNGKey(1), ((64 if quick else 1024) * 1024 * 256,), jnp.float32)
-    _, t = jax_time(jax.jit(lambda x: x * 2.0), (x,), repeats)
-    out["copy_gbps"] = round(2 * x.nbytes / t / 1e9, 1)
-    out["matmul_n"] = n
-    return out
+    sec.case("copy", lambda: {"gbps": 2 * x.nbytes / jax_time(jax.jit(lambda x: x * 2.0), (x,), repeats)[1] / 1e9})
 
 
 # ----------------------------------------------------------------------------- check
@@ -131,17 +180,22 @@ def ceilings(quick, repeats):
 def kda_inputs(B, T, H, K, V, dtype, seed):
     """bench/kernels.py's KDA inputs (l2-normalised q/k, the K3 gate's range) and random cotangents
     ``do [B, T, H, V]``, ``dS [B, H, K, V]``."""
+    import jax
+    import kernels
+
     ks = jax.random.split(jax.random.PRNGKey(seed + 1000), 2)
     return (*kernels.kda_inputs(B, T, H, K, V, dtype, seed), jax.random.normal(ks[0], (B, T, H, V)),
             jax.random.normal(ks[1], (B, H, K, V)))
 
 
-def kda_value_and_grads(fn, C, segment_ids=None):
+def kda_value_and_grads(fn, C, segment_ids=None, **kw):
     """jit of ``(q, k, v, g, beta, h0, do, dS) -> ((o, S), (dq, dk, dv, dg, dbeta, dh0))``."""
+    import jax
+    import jax.numpy as jnp
 
     def loss(q, k, v, g, beta, h0, do, dS):
         o, S = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, **kw)
         return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS), (o, S)
 
     def f(*args):
@@ -151,27 +205,89 @@ def kda_value_and_grads(fn, C, segment_ids=None):
     return jax.jit(f)
 
 
-def guarded(out, key, fn):
-    """``out[key] = fn()``, or the error: one failing case must not hide the others."""
-    try:
-        out[key] = fn()
-        worst = max(out[key].values()) if isinstance(out[key], dict) else out[key]
-        log(f"  {key}: worst rms_rel {worst:.2e}")
-    except Exception as e:  # noqa: BLE001
-        out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        log(f"  {key}: {out[key]['error']}")
+KDA_NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def check(quick, seed, dtypes=(jnp.float32, jnp.bfloat16)):
-    out = {}
-    check_grouped_matmuls(out, quick, seed, dtypes)
-    check_kda(out, quick, seed, dtypes)
-    return out
+def check(sec, quick, repeats, seed, args):
+    """Most telling first: the bf16 KDA kernels (the training dtype), then the grouped matmuls, then fp32."""
+    import jax.numpy as jnp
+
+    dtypes = [jnp.dtype(d) for d in args.check_dtypes.split(",")]
+    low = [d for d in dtypes if d.itemsize < 4]
+    full = [d for d in dtypes if d.itemsize >= 4]
+    kda = check_kda(sec, quick, seed)
+    for d in low:
+        kda(d, packed=False)
+        kda(d, packed=True)
+    check_grouped_matmuls(sec, quick, seed, low + full)
+    for d in full:
+        kda(d, packed=True)
+    if full:
+        kda(full[0], packed=True, safe_gate=False)  # the exact diagonal tiles
+    kda_xla_device_vs_cpu(sec, quick, seed)
 
 
-def check_grouped_matmuls(out, quick, seed, dtypes):
+def check_shape(quick):
+    return (1, 40, 2, 32, 32, 16) if quick else (2, 1000, 4, 128, 128, 64)
+
+
+def check_kda(sec, quick, seed):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3jax.ops import chunk_kda as xla_kda
+    from pallas_kernels.kda import chunk_kda as pallas_kda
+
+    B, T, H, K, V, C = check_shape(quick)
+    seg_np = np.ones((B, T), np.int32)
+    seg_np[:, T // 3:] = 2  # two packed documents per row
+    seg_np[:, T // 2 + 5:] = 3  # and a third
+
+    def run(dtype, packed, safe_gate=True):
+        seg = jnp.asarray(seg_np) if packed else None
+        args = kda_inputs(B, T, H, K, V, dtype, seed)
+        with jax.default_matmul_precision("highest"):
+            (o, S), grads = kda_value_and_grads(pallas_kda, C, seg, safe_gate=safe_gate)(*args)
+            (o_r, S_r), grads_r = kda_value_and_grads(xla_kda, C, seg)(*[a.astype(jnp.float32) for a in args])
+        return {n: rms_rel(a, b) for n, a, b in zip(KDA_NAMES, [o, S, *grads], [o_r, S_r, *grads_r])}
+
+    def case(dtype, packed, safe_gate=True):
+        key = f"kda_{jnp.dtype(dtype).name}{'_packed' if packed else ''}{'' if safe_gate else '_exact'}"
+        sec.case(key, lambda: run(dtype, packed, safe_gate))
+
+    return case
+
+
+def kda_xla_device_vs_cpu(sec, quick, seed):
+    """The pure-JAX op on this device against the same op on the CPU (fp32, HIGHEST)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.ops import chunk_kda as xla_kda
+
+    B, T, H, K, V, C = check_shape(quick)
+
+    def run():
+        args = kda_inputs(B, T, H, K, V, jnp.float32, seed + 1)
+        cpu = jax.devices("cpu")[0]
+        with jax.default_matmul_precision("highest"):
+            (o, S), grads = kda_value_and_grads(xla_kda, C)(*args)
+            with jax.default_device(cpu):
+                (o_c, S_c), grads_c = kda_value_and_grads(xla_kda, C)(*[jax.device_put(a, cpu) for a in args])
+        return {n: rms_rel(a, b) for n, a, b in zip(KDA_NAMES, [o, S, *grads], [o_c, S_c, *grads_c])}
+
+    sec.case("kda_xla_device_vs_cpu", run)
+
+
+def check_grouped_matmuls(sec, quick, seed, dtypes):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     from pallas_kernels.moe import gmm, tgmm
 
+    HI = jax.lax.Precision.HIGHEST
     M, D, F, E = (200, 48, 80, 5) if quick else (3000, 512, 384, 9)
     for dtype in dtypes:
         ks = jax.random.split(jax.random.PRNGKey(seed + 2), 3)
@@ -185,160 +301,143 @@ def check_grouped_matmuls(out, quick, seed, dtypes):
         gs = jnp.asarray(sizes)
         n = int(sizes.sum())
         up = lambda a: a.astype(jnp.float32)
-        ref_tgmm = lambda x, dy: jax.vjp(lambda w: jax.lax.ragged_dot(x, w, gs, precision=HI),
-                                         jnp.zeros((E, D, F), x.dtype))[1](dy)[0]
-        cases = {"gmm": (lambda x, w: gmm(x, w, gs), lambda x, w: jax.lax.ragged_dot(x, w, gs, precision=HI),
-                         (x, w)),
-                 "gmm_transposed": (lambda dy, w: gmm(dy, w, gs, transpose_rhs=True),
-                                    lambda dy, w: jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), gs, precision=HI),
-                                    (dy, w)),
-                 "tgmm": (lambda x, dy: tgmm(x, dy, gs), ref_tgmm, (x, dy))}
+        ref_tgmm = lambda x, dy, gs=gs: jax.vjp(lambda w: jax.lax.ragged_dot(x, w, gs, precision=HI),
+                                                jnp.zeros((E, D, F), x.dtype))[1](dy)[0]
+        cases = {"gmm": (lambda x, w, gs=gs: gmm(x, w, gs),
+                         lambda x, w, gs=gs: jax.lax.ragged_dot(x, w, gs, precision=HI), (x, w)),
+                 "gmm_transposed": (lambda dy, w, gs=gs: gmm(dy, w, gs, transpose_rhs=True),
+                                    lambda dy, w, gs=gs: jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), gs,
+                                                                            precision=HI), (dy, w)),
+                 "tgmm": (lambda x, dy, gs=gs: tgmm(x, dy, gs), ref_tgmm, (x, dy))}
         for name, (fp, fr, a) in cases.items():
             rows = slice(None) if name == "tgmm" else slice(0, n)  # rows past the groups are unspecified
-            guarded(out, f"{name}_{jnp.dtype(dtype).name}",
-                    lambda fp=fp, fr=fr, a=a, rows=rows: rms_rel(jax.jit(fp)(*a)[rows], jax.jit(fr)(*map(up, a))[rows]))
-
-
-def check_kda(out, quick, seed, dtypes):
-    from k3jax.ops import chunk_kda as xla_kda
-    from pallas_kernels.kda import chunk_kda as pallas_kda
-
-    B, T, H, K, V, C = (1, 40, 2, 32, 32, 16) if quick else (2, 1000, 4, 128, 128, 64)
-    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-    seg_np = np.ones((B, T), np.int32)
-    seg_np[:, T // 3:] = 2  # two packed documents per row
-
-    def pallas_vs_xla(dtype, seg):
-        args = kda_inputs(B, T, H, K, V, dtype, seed)
-        with jax.default_matmul_precision("highest"):
-            (o, S), grads = kda_value_and_grads(pallas_kda, C, seg)(*args)
-            (o_r, S_r), grads_r = kda_value_and_grads(xla_kda, C, seg)(*[a.astype(jnp.float32) for a in args])
-        return {n: rms_rel(a, b) for n, a, b in zip(names, [o, S, *grads], [o_r, S_r, *grads_r])}
-
-    def xla_device_vs_cpu():  # the pure-JAX op on this device against the same op on the CPU (fp32, HIGHEST)
-        args = kda_inputs(B, T, H, K, V, jnp.float32, seed + 1)
-        cpu = jax.devices("cpu")[0]
-        with jax.default_matmul_precision("highest"):
-            (o, S), grads = kda_value_and_grads(xla_kda, C)(*args)
-            with jax.default_device(cpu):
-                (o_c, S_c), grads_c = kda_value_and_grads(xla_kda, C)(*[jax.device_put(a, cpu) for a in args])
-        return {n: rms_rel(a, b) for n, a, b in zip(names, [o, S, *grads], [o_c, S_c, *grads_c])}
-
-    guarded(out, "kda_xla_device_vs_cpu", xla_device_vs_cpu)
-    for dtype in sorted(dtypes, key=lambda d: jnp.dtype(d).itemsize):  # bf16 first: fp32 needs more shared memory
-        for packed in (False, True):
-            seg = jnp.asarray(seg_np) if packed else None
-            guarded(out, f"kda_{jnp.dtype(dtype).name}{'_packed' if packed else ''}",
-                    lambda dtype=dtype, seg=seg: pallas_vs_xla(dtype, seg))
+            sec.case(f"{name}_{jnp.dtype(dtype).name}",
+                     lambda fp=fp, fr=fr, a=a, rows=rows: rms_rel(jax.jit(fp)(*a)[rows],
+                                                                  jax.jit(fr)(*map(up, a))[rows]))
 
 
 # ----------------------------------------------------------------------------- kda
 
 
-def kda_bench(quick, repeats, seed, peers=("fla_triton", "hf_torch")):
+def import_fla_chunk_kda():
+    """fla-core's ``chunk_kda``: imported, or installed with pip from the ``*.whl`` files beside this script
+    (no index, no dependencies: fla-core needs torch, triton and einops, the last also a wheel here when
+    missing) into a temporary directory first."""
+    try:
+        from fla.ops.kda import chunk_kda
+        return chunk_kda
+    except ImportError:
+        wheels = sorted(HERE.glob("*.whl"))
+        if not wheels:
+            raise
+    from common import log
+
+    target = tempfile.mkdtemp(prefix="bench_gpu_wheels_")
+    log(f"  installing {[w.name for w in wheels]} into {target}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target,
+                    *map(str, wheels)], check=True)
+    sys.path.insert(0, target)
+    from fla.ops.kda import chunk_kda
+    return chunk_kda
+
+
+def kda_bench(sec, quick, repeats, seed, args):
+    import jax
+    import jax.numpy as jnp
+    import kernels
+
     from k3jax.ops import chunk_kda as xla_kda
     from pallas_kernels.kda import chunk_kda as pallas_kda
 
-    B, T, H, K, V, C = KDA_SHAPES["quick" if quick else "full"]
-    flops, _ = kernels.kda_cost(B, T, H, K, V, C, 2)
-    q, k, v, g, beta, h0, do, dS = kda_inputs(B, T, H, K, V, jnp.bfloat16, seed)
-    res = {"shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": C, "qkv": "bfloat16"},
-           "flops_fwd": flops}
+    peers = [p for p in args.kda_peers.split(",") if p]
+    fla = {}
+    if "fla_triton" in peers:
+        sec.case("fla_import", lambda: fla.setdefault("fn", import_fla_chunk_kda()) and {"ok": True})
+    for B, T, H, K, V, C in KDA_SHAPES["quick" if quick else "full"]:
+        tag = f"B{B}_T{T}_H{H}"
+        flops, _ = kernels.kda_cost(B, T, H, K, V, C, 2)
+        sec.meta[f"{tag}_shape"] = {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": C, "qkv": "bfloat16",
+                                       "flops_fwd": flops}
+        q, k, v, g, beta, h0, do, dS = kda_inputs(B, T, H, K, V, jnp.bfloat16, seed)
+        inputs = (q, k, v, g, beta, h0)
+        outs = {}
 
-    def jax_impl(fn, **kw):
-        fwd = jax.jit(lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                      chunk_size=C, **kw))
+        def jax_impl(fn, **kw):
+            fwd = jax.jit(lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, initial_state=h0,
+                                                          output_final_state=True, chunk_size=C, **kw))
 
-        def loss(q, k, v, g, beta, h0):
-            o, S = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C, **kw)
-            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS)
+            def loss(q, k, v, g, beta, h0):
+                o, S = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C, **kw)
+                return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS)
 
-        return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+            return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(6))))
 
-    impls = {"k3jax_pallas": jax_impl(pallas_kda, safe_gate=True), "k3jax_xla": jax_impl(xla_kda)}
-    args = (q, k, v, g, beta, h0)
-    outs = {}
-    for name, (fwd, fb) in impls.items():
-        try:
-            first, t = jax_time(fwd, args, repeats)
-            outs[name] = fwd(*args)
-            _, tb = jax_time(fb, args, repeats)
-            res[name] = {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first,
-                         "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
-        except Exception as e:  # noqa: BLE001 - report and go on
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        log(f"  {name}: {res[name]}")
-    res.update(torch_kda_peers(args, do, dS, C, repeats, flops, outs.get("k3jax_xla"), peers))
-    base = res.get("k3jax_pallas", {})
-    for name, r in list(res.items()):
-        if isinstance(r, dict) and "fwd_ms" in r and "fwd_ms" in base and name != "k3jax_pallas":
-            res[f"speedup_pallas_vs_{name}"] = {"fwd": r["fwd_ms"] / base["fwd_ms"],
-                                                "fwd_bwd": r["fwd_bwd_ms"] / base["fwd_bwd_ms"]}
-    return res
+        def timed(name, fwd, fb):
+            first, t = jax_time(fwd, inputs, repeats)
+            outs[name] = fwd(*inputs)[0]
+            first_b, tb = jax_time(fb, inputs, repeats)
+            return {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first, "first_call_bwd_s": first_b,
+                    "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
+
+        for name, fn, kw in (("k3jax_pallas", pallas_kda, dict(safe_gate=True)), ("k3jax_xla", xla_kda, {})):
+            sec.case(f"{tag}_{name}", lambda name=name, fn=fn, kw=kw: timed(name, *jax_impl(fn, **kw)))
+        if "k3jax_pallas" in outs and "k3jax_xla" in outs:
+            sec.results[f"{tag}_pallas_o_rms_rel_vs_xla"] = rms_rel(outs["k3jax_pallas"], outs["k3jax_xla"])
+        if "fn" in fla:
+            sec.case(f"{tag}_fla_triton", lambda: torch_kda(fla["fn"], inputs, do, dS, repeats, flops,
+                                                            outs.get("k3jax_xla")))
+        base = sec.results.get(f"{tag}_k3jax_pallas", {})
+        for peer in ("k3jax_xla", "fla_triton"):
+            r = sec.results.get(f"{tag}_{peer}", {})
+            if "fwd_ms" in r and "fwd_ms" in base:
+                sec.results[f"{tag}_speedup_pallas_vs_{peer}"] = {"fwd": r["fwd_ms"] / base["fwd_ms"],
+                                                                  "fwd_bwd": r["fwd_bwd_ms"] / base["fwd_bwd_ms"]}
+        sec.save()
 
 
-def torch_kda_peers(args, do, dS, C, repeats, flops, ref, wanted):
-    """fla-core's Triton chunk_kda and HF's torch chunk KDA on the same GPU, same inputs."""
-    try:
-        import torch
-    except ImportError:
-        return {}
+def torch_kda(fn, inputs, do, dS, repeats, flops, ref):
+    """A torch chunk KDA (fla's Triton kernel) on the same GPU and inputs; its first call autotunes."""
+    import numpy as np
+    import torch
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
     def tt(x):
-        t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(dev)
-        return t.to(torch.bfloat16) if x.dtype == jnp.bfloat16 else t
+        t = torch.from_numpy(np.array(x.astype("float32"))).to(dev)
+        return t.to(torch.bfloat16) if x.dtype.name == "bfloat16" else t
 
-    q, k, v, g, beta, h0 = map(tt, args)
+    q, k, v, g, beta, h0 = map(tt, inputs)
     do_t, dS_t = tt(do), tt(dS)
-    peers = {}
-    try:
-        if "hf_torch" not in wanted:
-            raise ImportError("not asked for (--kda-peers)")
-        from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
-        peers["hf_torch"] = hf.chunk_kimi_delta_attention
-    except Exception as e:  # noqa: BLE001
-        log(f"  HF unavailable: {type(e).__name__}: {e}")
-    try:  # last: its Triton autotuning takes minutes on the first call
-        if "fla_triton" not in wanted:
-            raise ImportError("not asked for (--kda-peers)")
-        from fla.ops.kda import chunk_kda as fla_kda
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=True)
 
-        peers["fla_triton"] = lambda *a, **kw: fla_kda(*a, safe_gate=True, **kw)
-    except Exception as e:  # noqa: BLE001
-        log(f"  fla unavailable: {type(e).__name__}: {e}")
-    res = {}
-    for name, fn in peers.items():
-        def fwd():
-            with torch.no_grad():
-                return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    def fwd_bwd():
+        xs = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+        o, S = fn(*xs[:5], initial_state=xs[5], output_final_state=True, safe_gate=True)
+        ((o.float() * do_t).sum() + (S.float() * dS_t).sum()).backward()
+        return [x.grad for x in xs]
 
-        def fwd_bwd():
-            xs = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-            o, S = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-            ((o.float() * do_t).sum() + (S.float() * dS_t).sum()).backward()
-            return [x.grad for x in xs]
-
-        try:
-            first, t = torch_time(fwd, (), repeats)
-            o, _ = fwd()
-            _, tb = torch_time(fwd_bwd, (), repeats)
-            res[name] = {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first,
-                         "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
-            if ref is not None:
-                res[name]["o_rms_rel_vs_k3jax_xla"] = rms_rel(o.float().cpu().numpy(), ref[0])
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        log(f"  {name}: {res[name]}")
-        torch.cuda.empty_cache() if dev == "cuda" else None
+    first, t = torch_time(fwd, (), repeats)
+    o, _ = fwd()
+    first_b, tb = torch_time(fwd_bwd, (), repeats)
+    res = {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first, "first_call_bwd_s": first_b,
+           "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
+    if ref is not None:
+        res["o_rms_rel_vs_k3jax_xla"] = rms_rel(o.float().cpu().numpy(), ref)
+    torch.cuda.empty_cache() if dev == "cuda" else None
     return res
 
 
 # ----------------------------------------------------------------------------- moe
 
 
-def moe_bench(quick, repeats, seed):
+def moe_bench(sec, quick, repeats, seed, args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     from pallas_kernels.moe import gmm, tgmm
 
     M, D, F, E = MOE_SHAPES["quick" if quick else "full"]
@@ -356,28 +455,32 @@ def moe_bench(quick, repeats, seed):
              "gmm_transposed": ((lambda dy, w: gmm(dy, w, gs, transpose_rhs=True)),
                                 (lambda dy, w: jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), gs)), (dy, w)),
              "tgmm": ((lambda x, dy: tgmm(x, dy, gs)), tg_ref, (x, dy))}
-    res = {"shape": {"M": M, "D": D, "F": F, "E": E, "dtype": "bfloat16"}, "flops": flops}
-    for name, (fp, fx, a) in cases.items():
+    sec.meta["shape"] = {"M": M, "D": D, "F": F, "E": E, "dtype": "bfloat16", "flops": flops}
+
+    def both(fp, fx, a):
         r = {}
         for impl, f in (("pallas", fp), ("ragged_dot", fx)):
             try:
                 _, t = jax_time(jax.jit(f), a, repeats)
                 r[impl] = {"ms": t * 1e3, "tflops": flops / t / 1e12}
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the other implementation still runs
                 r[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         if "ms" in r["pallas"] and "ms" in r["ragged_dot"]:
             r["speedup_pallas_vs_ragged_dot"] = r["ragged_dot"]["ms"] / r["pallas"]["ms"]
-        res[name] = r
-        log(f"  {name}: {r}")
-    return res
+        return r
+
+    for name, (fp, fx, a) in cases.items():
+        sec.case(name, lambda fp=fp, fx=fx, a=a: both(fp, fx, a))
 
 
 # ----------------------------------------------------------------------------- train
 
 
-def train_bench(quick, repeats, seed):
+def train_bench(sec, quick, repeats, seed, args):
+    import numpy as np
     import torch
     import transformers
+    from common import hf_kimi_linear_config, log, median, randomize_torch, torch_param_counts
     from transformers import KimiLinearForCausalLM
     from train_step import HFStep, K3jaxStep, model_flops_per_step, synthetic_batch
 
@@ -387,7 +490,6 @@ def train_bench(quick, repeats, seed):
 
     transformers.logging.set_verbosity_error()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res = {}
     for label, name, overrides, batch_size, seq_len in TRAIN_RUNS["quick" if quick else "full"]:
         base = [f"train.batch_size={batch_size}", f"train.seq_len={seq_len}", "model.dtype=bfloat16", *overrides]
         cfg = load_config(name, base)
@@ -433,55 +535,83 @@ def train_bench(quick, repeats, seed):
         for key in steps:
             if key != "hf_kimi_linear" and "tokens_per_s" in run.get(key, {}) and "tokens_per_s" in hf:
                 run[f"ratio_{key}_vs_hf"] = run[key]["tokens_per_s"] / hf["tokens_per_s"]
-        res[label] = run
+        sec.results[label] = run
+        sec.save()
         del steps, hf_model
         torch.cuda.empty_cache() if dev == "cuda" else None
-    return res
 
 
-SECTIONS = {"ceilings": ceilings, "check": check, "kda": kda_bench, "moe": moe_bench, "train": train_bench}
+RUNNERS = {"check": check, "kda": kda_bench, "moe": moe_bench, "ceilings": ceilings, "train": train_bench}
 
 
-def main(argv=None):
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="directory for gpu.json (written after every section)")
-    ap.add_argument("--sections", default="ceilings,check,moe,kda,train")
+    ap.add_argument("--out", default=None, help="directory for gpu.json and the per-section files")
+    ap.add_argument("--sections", default=DEFAULT_SECTIONS, help=f"comma-separated, of {SECTIONS}")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (a CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls, median taken (default 10; 1 quick)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kda-peers", default="hf_torch,fla_triton", help="torch peers of the kda section")
-    ap.add_argument("--check-dtypes", default="float32,bfloat16", help="dtypes of the check section")
-    a = ap.parse_args(argv)
-    repeats = a.repeats or (1 if a.quick else 10)
-    dev = jax.devices()[0]
-    report = {"bench": "gpu", "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-              "quick": a.quick, "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}
-    try:
-        import torch
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's time box")
+    ap.add_argument("--kda-peers", default="fla_triton", help="torch peers of the kda section ('' for none)")
+    ap.add_argument("--check-dtypes", default="bfloat16,float32", help="dtypes of the check section")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one section in this process
+    return ap.parse_args(argv)
 
-        report["torch"] = torch.__version__
-    except ImportError:
-        pass
-    out_path = pathlib.Path(a.out) / "gpu.json" if a.out else None
-    for name in a.sections.split(","):
-        log(f"== {name}")
+
+def run_child(a):
+    """One section in this process: its results go to ``--out``/<section>.json case by case."""
+    sys.path.insert(0, str(HERE))
+    from common import log
+
+    import jax
+
+    name = a.child
+    sec = Section(name, a.out, BUDGET_S[name] * a.budget_scale)
+    dev = jax.devices()[0]
+    sec.meta.update(device=f"{dev.platform}: {dev.device_kind}", jax=jax.__version__)
+    repeats = a.repeats or (1 if a.quick else 10)
+    try:
+        RUNNERS[name](sec, a.quick, repeats, a.seed, a)
+    except Exception as e:  # noqa: BLE001 - a broken section is reported, not fatal
+        sec.results["error"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        log(sec.results["error"]["traceback"])
+    sec.save()
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.child:
+        return run_child(a)
+    names = [n for n in a.sections.split(",") if n]
+    for n in names:
+        if n not in RUNNERS:
+            raise SystemExit(f"--sections: unknown section {n!r}; choose from {SECTIONS}")
+    out = pathlib.Path(a.out or tempfile.mkdtemp(prefix="bench_gpu_"))
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"bench": "gpu", "quick": a.quick, "out": str(out),
+              "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()], "section_seconds": {}}
+    passthrough = [f"--out={out}", f"--seed={a.seed}", f"--budget-scale={a.budget_scale}",
+                   f"--kda-peers={a.kda_peers}", f"--check-dtypes={a.check_dtypes}"]
+    passthrough += (["--quick"] if a.quick else []) + ([f"--repeats={a.repeats}"] if a.repeats else [])
+    for name in names:
+        print(f"== {name} (time box {BUDGET_S[name] * a.budget_scale:.0f} s)", file=sys.stderr, flush=True)
+        limit = BUDGET_S[name] * a.budget_scale + GRACE_S
         t = time.perf_counter()
-        try:
-            fn = SECTIONS[name]
-            if name == "ceilings":
-                report[name] = fn(a.quick, repeats)
-            elif name == "check":
-                report[name] = fn(a.quick, a.seed, [jnp.dtype(d) for d in a.check_dtypes.split(",")])
-            elif name == "kda":
-                report[name] = fn(a.quick, repeats, a.seed, a.kda_peers.split(","))
-            else:
-                report[name] = fn(a.quick, repeats, a.seed)
-        except Exception as e:  # noqa: BLE001 - one broken section must not lose the others
-            report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            log(report[name]["traceback"])
-        report.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
-        if out_path:
-            out_path.write_text(json.dumps(report, indent=1, default=float))
+        path = out / f"{name}.json"
+        path.unlink(missing_ok=True)
+        try:  # the child's stdout goes to our stderr: stdout carries only the JSON report
+            subprocess.run([sys.executable, __file__, f"--child={name}", *passthrough], timeout=limit,
+                           stdout=sys.stderr, check=False)
+            killed = None
+        except subprocess.TimeoutExpired:
+            killed = f"killed at its hard limit, {limit:.0f} s"
+        saved = json.loads(path.read_text()) if path.exists() else {"results": {}, "meta": {}}
+        report[name] = saved["results"] or {"error": {"error": "the section wrote nothing"}}
+        report.setdefault("meta", {})[name] = saved["meta"]
+        if killed:
+            report[name]["killed"] = {"error": killed}
+        report["section_seconds"][name] = round(time.perf_counter() - t, 1)
+        (out / "gpu.json").write_text(json.dumps(report, indent=1, default=float))
     print(json.dumps(report, indent=1, default=float))
 
 

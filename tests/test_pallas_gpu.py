@@ -161,8 +161,70 @@ def test_kda_grads_t1_and_xla_backward_option():
 
 def test_kda_gpu_option_validation():
     q, k, v, g, beta, _ = make_inputs(7, 1, 20, 1, 16, 16)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
         chunk_kda(q, k, v, g, beta, gpu_options=dict(block_v=24), **GPU)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):  # whole-chunk [C, *] blocks
+        chunk_kda(q, k, v, g, beta, chunk_size=48, **GPU)
+
+
+# ----------------------------------------------------------------------------- KDA against fla's naive reference
+
+
+def fla_naive_by_document(torch, naive, inputs, segment_ids):
+    """fla's ``naive_recurrent_kda`` (torch, fp32, differentiable) over packed rows: each document of a row
+    runs alone, the first from the initial state, the others from zeros (fla's naive op has no resets);
+    returns torch ``(o [B, T, H, V], final state [B, H, K, V])`` of the leaf tensors ``inputs``."""
+    q, k, v, g, beta, h0 = inputs
+    B, T = q.shape[:2]
+    seg = np.zeros((B, T), np.int32) if segment_ids is None else np.asarray(segment_ids)
+    outs, finals = [], []
+    for b in range(B):
+        starts = [0] + [t for t in range(1, T) if seg[b, t] != seg[b, t - 1]] + [T]
+        pieces, S = [], None
+        for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            part = lambda x: x[b:b + 1, lo:hi]
+            o, S = naive.naive_recurrent_kda(*map(part, (q, k, v, g, beta)), output_final_state=True,
+                                             initial_state=h0[b:b + 1] if i == 0 else None)
+            pieces.append(o)
+        outs.append(torch.cat(pieces, dim=1))
+        finals.append(S)
+    return torch.cat(outs, dim=0), torch.cat(finals, dim=0)
+
+
+@pytest.fixture(scope="module")
+def fla_naive():
+    from test_kda import _load_fla_naive
+
+    return _load_fla_naive()
+
+
+@pytest.mark.parametrize("dtype,segments", [(F32, False), (F32, True), (BF16, True)],
+                         ids=["fp32-dense", "fp32-resets", "bf16-resets"])
+def test_kda_matches_fla_naive(fla_naive, dtype, segments):
+    """Output, final state and all six gradients against fla's own reference through torch autograd: 2 rows,
+    T 40 (two chunks of 32, the second partial), 2 heads, resets (one at the chunk boundary) and an initial
+    state. bf16 inputs: fla's fp32 reference on the same bf16 values, the bf16 tolerances."""
+    torch, naive = fla_naive
+    B, T, H, K, V = 2, 40, 2, 16, 16
+    inputs = make_inputs(20, B, T, H, K, V, dtype=dtype)
+    seg = segments_with_boundary_reset(20, B, T, 32) if segments else None
+    kk = jax.random.split(jax.random.PRNGKey(21))
+    do, dS = jax.random.normal(kk[0], (B, T, H, V)), jax.random.normal(kk[1], (B, H, K, V))
+
+    def loss(*a):
+        o, S = chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=32, segment_ids=seg,
+                         safe_gate=True, **GPU)
+        return jnp.sum(o.astype(F32) * do) + jnp.sum(S * dS), (o, S)
+
+    got, (o, S) = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*inputs)
+    leaves = [torch.tensor(np.asarray(x, np.float32), requires_grad=True) for x in inputs]
+    o_f, S_f = fla_naive_by_document(torch, naive, leaves, seg)
+    ((o_f * torch.from_numpy(np.asarray(do))).sum() + (S_f * torch.from_numpy(np.asarray(dS))).sum()).backward()
+    tol, grad_tol = (FP32_TOL, FP32_TOL) if dtype == F32 else (BF16_TOL, BF16_GRAD_TOL)
+    assert o.dtype == dtype and rel_err(o, o_f.detach().numpy()) < tol
+    assert rel_err(S, S_f.detach().numpy()) < tol
+    errs = {n: rel_err(a, t.grad.numpy()) for n, a, t in zip(NAMES, got, leaves)}
+    assert all(e < grad_tol for e in errs.values()), errs
 
 
 # ============================================================================= grouped matmul, interpret mode
@@ -409,6 +471,27 @@ def test_grouped_glu_experts_forward_backward_lowers_to_triton():
     kernels = triton_kernels(fwd_bwd, ((N, MOE_D), BF16), ((N, k), I32), ((E_shard, MOE_D, MOE_F), BF16),
                              ((E_shard, MOE_D, MOE_F), BF16), ((E_shard, MOE_F, MOE_D), BF16))
     assert set(kernels) == {"gmm_gpu", "tgmm_gpu"}
+
+
+@pytest.mark.gpu_lower
+def test_kda_impl_auto_keeps_xla_on_gpu_until_measured():
+    """``model.kda_impl: auto`` is the XLA op on every platform until the chunk-parallel Triton kernels are
+    timed on a GPU (docs/kernels.md): traced for a GPU it lowers no Triton kernel. ``moe_impl: auto`` keeps
+    ragged_dot on GPU until the grouped matmuls' values are checked there."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    from k3jax import kernels
+
+    assert [kernels.resolve_kda_impl("auto", p) for p in ("cpu", "tpu", "gpu", "cuda")] == ["xla"] * 4
+    assert kernels.resolve_kda_impl("pallas", "cuda") == "pallas"
+    assert kernels.resolve_moe_impl("auto", "cuda") == "ragged_dot"
+    assert kernels.resolve_moe_impl("auto", "tpu") == "pallas"
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("H100", None, "cuda"))
+    small = [((1, 64, 1, 16), BF16)] * 3 + [((1, 64, 1, 16), F32), ((1, 64, 1), F32)]
+    auto = lambda *a: kernels.chunk_kda("auto")(*a, chunk_size=64)[0]
+    assert triton_kernels(auto, *small, mesh=mesh) == {}
+    pallas = lambda *a: kernels.chunk_kda("pallas")(*a, chunk_size=64)[0]
+    assert set(triton_kernels(pallas, *small, mesh=mesh)) == set(KDA_FORWARD)
 
 
 @pytest.mark.gpu_lower

@@ -272,7 +272,7 @@ class ModelConfig:
     remat: Literal["none", "full", "nested", "dots", "selective"] = runtime("none")
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
-    kda_impl: Literal["xla", "pallas"] = runtime("xla")
+    kda_impl: Literal["auto", "xla", "pallas"] = runtime("auto")  # auto: xla on every platform for now
     moe_impl: Literal["auto", "ragged_dot", "pallas"] = runtime("auto")  # k3jax/kernels.py
 
     def validate(self, prefix: str = "model") -> None:
