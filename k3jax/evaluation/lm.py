@@ -37,15 +37,17 @@ IN_FLIGHT_PER_ROW = 4
 @register_model("k3jax")
 class K3JaxLM(TemplateLM):
     """``checkpoint``: a run, checkpoint or HF directory (``step``: which checkpoint; ``tokenizer``:
-    another tokenizer spec; ``lora``: adapters to merge in, as ``infer.py --lora``); or, from Python, a ``model`` and its ``tokenizer`` objects. ``mesh``:
-    the device mesh as for ``infer.py`` (axes separated by ``;`` inside ``--model_args``, whose
-    fields are comma-separated). ``max_length``: tokens per request (default: the model's
-    ``max_seq_len``; longer contexts lose their start). ``prefix_token``: the token an empty context
-    or a rolling window starts from (default: the tokenizer's EOS, else BOS). ``device`` and
-    ``max_batch_size`` are the harness's own arguments: JAX places the work, ``batch_size`` sizes it."""
+    another tokenizer spec; ``lora``: adapters to merge in, as ``infer.py --lora``); or, from Python,
+    a ``model`` and its ``tokenizer`` objects. ``mesh``: the device mesh as for ``infer.py`` (axes
+    separated by ``;`` inside ``--model_args``, whose fields are comma-separated). ``max_length``:
+    tokens per request (default: the model's ``max_seq_len``; longer contexts lose their start).
+    ``prefix_token``: the token an empty context or a rolling window starts from (default: the
+    tokenizer's EOS, else BOS). ``device`` and ``max_batch_size`` are the harness's own arguments:
+    JAX places the work, ``batch_size`` sizes it."""
 
     def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, step: int | None = None,
-                 lora: str | None = None, mesh: str = "fsdp=-1", batch_size: int | str | None = None, max_length: int | None = None,
+                 lora: str | None = None, mesh: str = "fsdp=-1", batch_size: int | str | None = None,
+                 max_length: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
                  prefix_token: int | None = None, device: str | None = None, max_batch_size: int | None = None):
         super().__init__()

@@ -235,7 +235,8 @@ class Engine:
         self._rows: list[Sequence | None] = [None] * self.max_batch
         self._filled = np.zeros(self.max_batch, np.int64)  # tokens of each row in the pool (queued steps too)
         self._queued = np.zeros(self.max_batch, np.int64)  # decode steps queued for each row's request
-        self._inflight: collections.deque = collections.deque()  # (tokens [B], each row's request) per queued step
+        # per queued step: (tokens [B], their token_logprobs arrays, each row's request)
+        self._inflight: collections.deque = collections.deque()
         self._temperature = np.zeros(self.max_batch, np.float32)
         self._top_p = np.ones(self.max_batch, np.float32)
         self._wants = np.zeros(self.max_batch, bool)  # the row's request wants log-probabilities
