@@ -187,7 +187,7 @@ def test_memory_bounded():
 
 
 def test_mla_layer_chunked_equals_single_block(monkeypatch):
-    """The MLA call sites (expanded training/prefill form and absorbed cached form) give the same output
+    """The MLA call sites (latent training/prefill form and absorbed cached form) give the same output
     when their sequences are cut into many blocks as in one block."""
     from flax import nnx
 
@@ -217,9 +217,14 @@ def test_mla_layer_chunked_equals_single_block(monkeypatch):
         calls.append(args[0].shape)
         return attn_ops.chunked_attention(*args, **kwargs, q_chunk=4, kv_chunk=6)
 
+    def small_latent_blocks(*args, **kwargs):
+        calls.append(args[0].shape)
+        return attn_ops.latent_attention(*args, **kwargs, q_chunk=4, kv_chunk=6)
+
     monkeypatch.setattr(mla_module, "chunked_attention", small_blocks)
+    monkeypatch.setattr(mla_module, "latent_attention", small_latent_blocks)
     blocked = nnx.jit(run)(layer)
-    assert len(calls) == 2  # both call sites go through chunked_attention
+    assert len(calls) == 2  # the two call sites, each through its blockwise op
     for got, want in zip(blocked, one_block):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -235,3 +240,82 @@ def test_shape_mismatches_fail_at_trace_time():
         attn_ops.chunked_attention(q, v[..., :8], v, idx_q, idx_q, scale=1.0)
     with pytest.raises(AssertionError, match="shape"):
         attn_ops.attention(q, v[..., :8], v, jnp.ones((2, 5, 5), bool), scale=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# latent_attention: keys and values expanded from a per-token latent one key block at a time
+
+LATENT = 7  # per-token latent width: smaller than the H * (D + DV) = 39 expanded values
+
+
+def _expand(kv, w):
+    """kv ``[B, C, L]``, w ``[L, H, D + DV]`` -> keys ``[B, C, H, D]``, values ``[B, C, H, DV]``."""
+    x = jnp.einsum("bcl,lhp->bchp", kv, w)
+    return x[..., :D], x[..., D:]
+
+
+def _latent_inputs(t, s, seed=0):
+    kq, kkv, kw = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (B, t, H, D)), jax.random.normal(kkv, (B, s, LATENT)),
+            jax.random.normal(kw, (LATENT, H, D + DV)) * 0.4)
+
+
+@pytest.mark.parametrize("t,s,q_chunk,kv_chunk,packed", [
+    (13, 13, 4, 5, True),    # T a multiple of neither chunk, packed documents and padding
+    (16, 16, 4, 4, False),   # aligned blocks
+    (5, 13, 2, 3, False),    # the queries are the last 5 of 13 positions (a sequence shard's view)
+    (9, 9, 16, 16, True),    # one block
+])
+def test_latent_attention_matches_plain(t, s, q_chunk, kv_chunk, packed):
+    """Output and gradients (q, latent, expansion weights) equal the plain softmax over the expanded keys."""
+    q, kv, w = _latent_inputs(t, s, seed=t + s)
+    q_index, kv_index = _arange(B, t, s - t), _arange(B, s)
+    seg = _packed_segments(s) if packed else None
+    q_seg = None if seg is None else seg[:, s - t:]
+
+    def latent(q, kv, w):
+        return attn_ops.latent_attention(q, kv, w, q_index, kv_index, expand=_expand, scale=0.4,
+                                         q_segment_ids=q_seg, kv_segment_ids=seg, q_chunk=q_chunk, kv_chunk=kv_chunk)
+
+    def plain(q, kv, w):
+        k, v = _expand(kv, w)
+        return _plain(q, k, v, q_index, kv_index, scale=0.4, q_segment_ids=q_seg, kv_segment_ids=seg)
+
+    np.testing.assert_allclose(jax.jit(latent)(q, kv, w), plain(q, kv, w), **TOL)
+    loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)))  # noqa: E731
+    for got, want in zip(loss(latent)(q, kv, w), loss(plain)(q, kv, w)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_latent_attention_never_expands_the_whole_sequence():
+    """Forward and backward hold one key block's keys and values, never ``[B, S, H, D]``; key blocks after
+    every query are not expanded at all (the causal skip a sequence shard relies on)."""
+    t, s, chunk = 8, 64, 8
+    q, kv, w = _latent_inputs(t, s, seed=3)
+    q_index, kv_index = _arange(B, t), _arange(B, s)  # the queries are the first 8 positions
+    expansions = []
+
+    def counted_expand(kv, w):
+        jax.debug.callback(lambda: expansions.append(1))
+        return _expand(kv, w)
+
+    def fwd(q, kv, w):
+        return attn_ops.latent_attention(q, kv, w, q_index, kv_index, expand=counted_expand, scale=0.3,
+                                         q_chunk=chunk, kv_chunk=chunk)
+
+    grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=(0, 1, 2))
+    expanded_keys = B * s * H * D
+    for f in (fwd, grad):
+        assert _largest_intermediate(jax.make_jaxpr(f)(q, kv, w).jaxpr) < expanded_keys
+    jax.block_until_ready(jax.jit(fwd)(q, kv, w))
+    assert len(expansions) == 1  # of 8 key blocks, only the first holds a position <= 7
+    expansions.clear()
+    jax.block_until_ready(jax.jit(grad)(q, kv, w))
+    assert len(expansions) == 2  # the forward's and the backward's
+
+
+def test_latent_attention_rejects_half_the_segment_ids():
+    q, kv, w = _latent_inputs(4, 4)
+    idx = _arange(B, 4)
+    with pytest.raises(ValueError, match="segment_ids"):
+        attn_ops.latent_attention(q, kv, w, idx, idx, expand=_expand, scale=1.0, q_segment_ids=idx)

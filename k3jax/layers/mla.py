@@ -1,6 +1,8 @@
 """Gated multi-head latent attention: DeepSeek-V2 MLA, optionally NoPE (K3, Kimi Linear)
 or RoPE + YaRN (K2), with K3's sigmoid output gate taken from the layer input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,7 +13,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import lora
 from k3jax.layers.initializers import normal
 from k3jax.layers.norm import RMSNorm
-from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention
+from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention, latent_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
 from k3jax.ops.saved_names import MIXER_OUTPUTS
 from k3jax.parallel import sequence as seq_parallel
@@ -71,7 +73,8 @@ class MLA(nnx.Module):
                  max_logits: bool = False, lora_key: jax.Array | None = None) -> tuple[jax.Array, MLACache | None]:
         """x ``[B, T, d]``, positions ``[B, T]`` -> (``[B, T, d]``, updated cache or None).
 
-        Without a cache: expanded MLA over the T tokens (training, plain prefill). With a cache: the
+        Without a cache: MLA over the T tokens with keys and values expanded from the latent one key
+        block at a time (training, plain prefill; :meth:`latent_attention`). With a cache: the
         new tokens' latent and rope key are written at slots ``[cache_index, cache_index + T)`` and
         the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form.
 
@@ -93,14 +96,14 @@ class MLA(nnx.Module):
             kv_latent = jnp.concatenate([ckv, k_rope[:, :, 0]], axis=-1)  # [B, T, r + R]: 576 wide for K3
             index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             if seq_parallel.sequence_shards(t) > 1:  # time split over `sequence`: shards gather the latent
-                o = seq_parallel.mla_attention(self.expanded_attention, q, kv_latent, segment_ids, kv_b)
+                o = seq_parallel.mla_attention(self.latent_attention, q, kv_latent, segment_ids, kv_b)
             else:
-                o = self.expanded_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
+                o = self.latent_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)
             y = self._gate_and_project(x, checkpoint_name(o, MIXER_OUTPUTS), lora_key)
             if not max_logits:
                 return y, None
             # on the whole sequence (GSPMD splits it like any array under a sequence-sharded mesh)
-            k, _ = self._expand(kv_latent, kv_b)
+            k, _ = expand_latent(kv_latent, kv_b, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim)
             return y, None, head_max_logits(q, k, index, segment_ids, self.softmax_scale)
         if max_logits:
             raise ValueError("max_logits is measured in the expanded (training) form, without a cache")
@@ -110,26 +113,18 @@ class MLA(nnx.Module):
         o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
         return self._gate_and_project(x, o, lora_key), MLACache(ckv_all, k_rope_all)
 
-    def expanded_attention(self, q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b):
-        """Training attention: the latent expanded to per-head keys and values.
+    def latent_attention(self, q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b):
+        """Training attention: per-head keys and values expanded from the latent one key block at a time
+        (``k3jax.ops.attention.latent_attention``), never for the whole sequence.
 
         q ``[B, T, H, nope + R]``, kv_latent ``[B, S, r + R]`` (normalised ``c_kv`` | ``k_rope``),
         positions ``q_index [B, T]`` / ``kv_index [B, S]`` (causal mask), segment ids ``[B, T]`` /
         ``[B, S]`` or None, kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``.
         """
-        k, v = self._expand(kv_latent, kv_b)
-        # query/key blocks beyond attention.Q_CHUNK / KV_CHUNK tokens: bounded memory for long prompts
-        return chunked_attention(q, k, v, q_index, kv_index, q_segment_ids=q_segment_ids,
-                                 kv_segment_ids=kv_segment_ids, scale=self.softmax_scale)
-
-    def _expand(self, kv_latent, kv_b):
-        """kv_latent ``[B, S, r + R]``, kv_b ``[r, H, nope + v]`` -> per-head keys ``[B, S, H, nope + R]``
-        (the shared rope key copied to every head) and values ``[B, S, H, v]``."""
         c = self.cfg
-        ckv, k_rope = kv_latent[..., : c.kv_lora_rank], kv_latent[..., None, c.kv_lora_rank:]  # k_rope [B, S, 1, R]
-        kv = jnp.einsum("bsr,rhp->bshp", ckv, kv_b)
-        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1), v
+        expand = functools.partial(expand_latent, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim)
+        return latent_attention(q, kv_latent, kv_b, q_index, kv_index, expand=expand, scale=self.softmax_scale,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
 
     def absorbed_attention(self, q_nope, q_rope, ckv, k_rope, kv_b, cache_index, kv_valid):
         """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
@@ -149,6 +144,16 @@ class MLA(nnx.Module):
         o_lat = chunked_attention(q, k, ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
                                   scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+
+
+def expand_latent(kv_latent: jax.Array, kv_b: jax.Array, *, kv_lora_rank: int,
+                  qk_nope_head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """kv_latent ``[B, S, r + R]``, kv_b ``[r, H, nope + v]`` -> per-head keys ``[B, S, H, nope + R]`` (the
+    shared rope key copied to every head) and values ``[B, S, H, v]``: 53x the latent's width for K3."""
+    ckv, k_rope = kv_latent[..., :kv_lora_rank], kv_latent[..., None, kv_lora_rank:]  # k_rope [B, S, 1, R]
+    kv = jnp.einsum("bsr,rhp->bshp", ckv, kv_b)
+    k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
+    return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1), v
 
 
 def head_max_logits(q: jax.Array, k: jax.Array, index: jax.Array, segment_ids: jax.Array | None, scale: float,

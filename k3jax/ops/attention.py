@@ -1,8 +1,13 @@
 """Causal softmax attention with packed-document masking (the MLA core)."""
 
+import functools
+from typing import Any, Callable
+
 import chex
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels._common import match_varying
 
 
 def attention_mask(q_index: jax.Array, kv_index: jax.Array, q_segment_ids: jax.Array | None = None,
@@ -172,3 +177,180 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
     block_remat = jax.checkpoint(query_block, prevent_cse=False)
     out = jax.lax.map(lambda xs: block_remat(*xs), q_xs)  # [Nq, B, Cq, H, Dv]
     return jnp.moveaxis(out, 0, 1).reshape(b, nq * cq, h, dv)[:, :t]
+
+
+# Expand = (kv block [B, C, L], params) -> (keys [B, C, H, D], values [B, C, H, Dv])
+Expand = Callable[[jax.Array, Any], tuple[jax.Array, jax.Array]]
+
+
+def _vary_together(tree):
+    """The leaves of ``tree`` made device-varying over every manual mesh axis any of them varies over
+    (inside ``jax.shard_map``; a no-op elsewhere). A ``custom_vjp`` returns cotangents of its inputs'
+    types and its loops' carries must keep one type, so a weight shared by the devices is made varying
+    before the call (JAX then sums its gradient over them)."""
+    ref = jnp.zeros((), jnp.float32)
+    for x in jax.tree.leaves(tree):
+        ref = match_varying(ref, x)
+    return jax.tree.map(lambda x: match_varying(x, ref), tree)
+
+
+def latent_attention(q: jax.Array, kv: jax.Array, params, q_index: jax.Array, kv_index: jax.Array, *,
+                     expand: Expand, scale: float, q_segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None, q_chunk: int = Q_CHUNK,
+                     kv_chunk: int = KV_CHUNK) -> jax.Array:
+    """Causal, segment-masked softmax attention whose keys and values are expanded from a compact
+    per-token KV one key block at a time, forward and backward (flash-attention style, custom VJP):
+    the ``[B, S, H, D]`` keys and values of the whole sequence never exist.
+
+    q ``[B, T, H, D]``; kv ``[B, S, L]`` (MLA: the normalised ``c_kv | k_rope``, L = 576 for K3 where
+    the expanded keys and values are 96 x 320 = 30720 values per token); ``params`` (a pytree: MLA's
+    ``kv_b``) and ``expand(kv_block, params) -> (k [B, C, H, D], v [B, C, H, Dv])``, a fixed function of
+    static configuration; q_index ``[B, T]`` / kv_index ``[B, S]`` int positions (key j visible to
+    query i iff ``kv_index[j] <= q_index[i]``), optional segment ids ``[B, T]`` / ``[B, S]`` (as in
+    :func:`attention_mask`). Returns ``[B, T, H, Dv]`` in v's dtype; a query with no visible key gets
+    zeros. Gradients flow to q, kv and params.
+
+    Both passes loop over key blocks of ``kv_chunk`` (each expanded once per pass, and its expansion's
+    VJP applied once in the backward) and, inside, over query blocks of ``q_chunk``. A key block that
+    lies entirely in the future of every query (a sequence shard's later shards) is neither expanded
+    nor attended; a (query block, key block) pair with nothing visible (the causal future, other
+    documents) is skipped (``lax.cond``). Memory: the online-softmax state ``[B, T, H, Dv + 2]`` float32
+    (forward) or the query gradient ``[B, T, H, D]`` float32 (backward), plus one key block's keys and
+    values and one block pair's ``[B, H, q_chunk, kv_chunk]`` scores; saved for the backward: q, kv, the
+    output and the log-sum-exp ``[B, T, H]``.
+    """
+    chex.assert_rank([q, kv], [4, 3])
+    b, t = q.shape[:2]
+    s = kv.shape[1]
+    chex.assert_shape([x for x in (q_index, q_segment_ids) if x is not None], (b, t))
+    chex.assert_shape([x for x in (kv_index, kv_segment_ids) if x is not None], (b, s))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("latent_attention: give both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is None:  # one segment
+        q_segment_ids, kv_segment_ids = jnp.zeros_like(q_index), jnp.zeros_like(kv_index)
+    cq, ck = min(q_chunk, t), min(kv_chunk, s)
+    nq, nk = -(-t // cq), -(-s // ck)
+    # padded queries sit before every key, padded keys after every query: never visible
+    q_xs = (_blocks(_pad_to(q, nq * cq, 1), cq), _blocks(_pad_to(q_index, nq * cq, 1, jnp.iinfo(q_index.dtype).min), cq),
+            _blocks(_pad_to(q_segment_ids, nq * cq, 1), cq))
+    kv_xs = (_blocks(_pad_to(kv, nk * ck, 1), ck),
+             _blocks(_pad_to(kv_index, nk * ck, 1, jnp.iinfo(kv_index.dtype).max), ck),
+             _blocks(_pad_to(kv_segment_ids, nk * ck, 1), ck))
+    q_xs, kv_xs, params = _vary_together((q_xs, kv_xs, params))
+    o_blocks = _latent_attention(q_xs, kv_xs, params, expand, scale)  # [Nq, B, Cq, H, Dv]
+    return jnp.moveaxis(o_blocks, 0, 1).reshape((b, nq * cq) + o_blocks.shape[3:])[:, :t]
+
+
+def _block_pairs_visible(q_index_c, q_seg_c, kv_index_c, kv_seg_c):
+    """``[B, Cq, Ck]`` mask of one block pair and whether any entry is set."""
+    mask = attention_mask(q_index_c, kv_index_c, q_seg_c, kv_seg_c)
+    return mask, jnp.any(mask)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _latent_attention(q_xs, kv_xs, params, expand, scale):
+    return _latent_attention_fwd(q_xs, kv_xs, params, expand, scale)[0]
+
+
+def _latent_attention_fwd(q_xs, kv_xs, params, expand, scale):
+    """q_xs: query blocks ``[Nq, B, Cq, H, D]`` with their positions and segments ``[Nq, B, Cq]``; kv_xs:
+    kv blocks ``[Nk, B, Ck, L]`` with ``[Nk, B, Ck]`` positions and segments. -> (o ``[Nq, B, Cq, H, Dv]``,
+    residuals)."""
+    qb, q_index, q_seg = q_xs
+    nq, b, cq, h, _ = qb.shape
+    k0, v0 = jax.eval_shape(expand, kv_xs[0][0], params)
+    dv = v0.shape[-1]
+    last_query = jnp.max(q_index)
+
+    def key_block(state, kv_x):
+        kv_c, kv_index_c, kv_seg_c = kv_x
+
+        def attend(state):
+            k_c, v_c = expand(kv_c, params)
+
+            def query_block(_, x):
+                q_c, q_index_c, q_seg_c, row_max, row_sum, acc = x
+                mask, any_visible = _block_pairs_visible(q_index_c, q_seg_c, kv_index_c, kv_seg_c)
+
+                def update(carry):
+                    row_max, row_sum, acc = carry
+                    scores = jnp.where(mask[:, None], _scores(q_c, k_c, scale), -jnp.inf)  # [B, H, Cq, Ck]
+                    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+                    shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # rows with nothing visible yet
+                    p = jnp.exp(scores - shift[..., None])
+                    rescale = jnp.exp(row_max - shift)  # 0 while row_max is -inf
+                    acc = acc * jnp.moveaxis(rescale, 1, 2)[..., None] + _weighted_values(p.astype(v_c.dtype), v_c)
+                    return new_max, row_sum * rescale + jnp.sum(p, axis=-1), acc
+
+                return None, jax.lax.cond(any_visible, update, lambda c: c, (row_max, row_sum, acc))
+
+            _, state = jax.lax.scan(query_block, None, (qb, q_index, q_seg, *state))
+            return state
+
+        # a key block after every query (a later sequence shard's) is neither expanded nor attended
+        return jax.lax.cond(jnp.min(kv_index_c) <= last_query, attend, lambda c: c, state), None
+
+    # *_like(qb): the carries keep the inputs' device-varying type inside a shard_map
+    state = (jnp.full_like(qb, -jnp.inf, jnp.float32, shape=(nq, b, h, cq)),
+             jnp.zeros_like(qb, jnp.float32, shape=(nq, b, h, cq)),
+             jnp.zeros_like(qb, jnp.float32, shape=(nq, b, cq, h, dv)))
+    (row_max, row_sum, acc), _ = jax.lax.scan(key_block, state, kv_xs)
+    seen = row_sum > 0
+    o = (acc / jnp.moveaxis(jnp.where(seen, row_sum, 1.0), 2, 3)[..., None]).astype(v0.dtype)
+    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)  # [Nq, B, H, Cq]
+    return o, (q_xs, kv_xs, params, o, lse)
+
+
+def _latent_attention_bwd(expand, scale, res, do):
+    """Flash-attention backward: per key block, the keys and values are re-expanded, the block's key and
+    value gradients summed over the query blocks, and pulled back through the expansion once."""
+    q_xs, kv_xs, params, o, lse = res
+    qb, q_index, q_seg = q_xs
+    last_query = jnp.max(q_index)
+    # D_i = sum_d dO_i o_i, [Nq, B, H, Cq]: the softmax's row term
+    delta = jnp.moveaxis(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 2, 3)
+    lse_shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def key_block(carry, kv_x):
+        kv_c, kv_index_c, kv_seg_c = kv_x
+
+        def attend(carry):
+            dq, dparams = carry
+            (k_c, v_c), pullback = jax.vjp(expand, kv_c, params)
+
+            def query_block(dkv, x):
+                q_c, q_index_c, q_seg_c, do_c, lse_c, delta_c, dq_c = x
+                mask, any_visible = _block_pairs_visible(q_index_c, q_seg_c, kv_index_c, kv_seg_c)
+
+                def update(args):
+                    (dk, dv), dq_c = args
+                    p = jnp.where(mask[:, None], jnp.exp(_scores(q_c, k_c, scale) - lse_c[..., None]), 0.0)
+                    dv = dv + jnp.einsum("bhts,bthd->bshd", p.astype(do_c.dtype), do_c,
+                                         preferred_element_type=jnp.float32)
+                    dp = jnp.einsum("bthd,bshd->bhts", do_c, v_c, preferred_element_type=jnp.float32)
+                    ds = (p * (dp - delta_c[..., None]) * scale).astype(q_c.dtype)  # d(q.k), [B, H, Cq, Ck]
+                    dq_c = dq_c + jnp.einsum("bhts,bshd->bthd", ds, k_c, preferred_element_type=jnp.float32)
+                    dk = dk + jnp.einsum("bhts,bthd->bshd", ds, q_c, preferred_element_type=jnp.float32)
+                    return (dk, dv), dq_c
+
+                dkv, dq_c = jax.lax.cond(any_visible, update, lambda a: a, (dkv, dq_c))
+                return dkv, dq_c
+
+            zeros = (jnp.zeros_like(k_c, jnp.float32), jnp.zeros_like(v_c, jnp.float32))
+            (dk, dv), dq = jax.lax.scan(query_block, zeros, (qb, q_index, q_seg, do, lse_shift, delta, dq))
+            dkv_c, dparams_c = pullback((dk.astype(k_c.dtype), dv.astype(v_c.dtype)))
+            dparams = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), dparams, dparams_c)
+            return (dq, dparams), dkv_c
+
+        skip = lambda carry: (carry, jnp.zeros_like(kv_c))  # noqa: E731
+        return jax.lax.cond(jnp.min(kv_index_c) <= last_query, attend, skip, carry)
+
+    dq0 = jnp.zeros_like(qb, jnp.float32)
+    dparams0 = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    (dq, dparams), dkv = jax.lax.scan(key_block, (dq0, dparams0), kv_xs)
+    dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
+    none_like = lambda xs: (xs[0],) + (None,) * (len(xs) - 1)  # noqa: E731 - integer positions and segments
+    return none_like((dq.astype(qb.dtype), *q_xs[1:])), none_like((dkv, *kv_xs[1:])), dparams
+
+
+_latent_attention.defvjp(_latent_attention_fwd, _latent_attention_bwd)

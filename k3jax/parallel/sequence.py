@@ -13,8 +13,14 @@ ops that mix tokens (everything else in the model is per token and stays plain G
   before it in order to get its incoming state (resetting it where a document starts exactly at a
   shard boundary), and finishes ``o = o_loc + P S_in`` locally.
 - **MLA** (:func:`mla_attention`): each shard all-gathers the compressed KV (``c_kv | k_rope``,
-  576 values per token for K3) and the segment ids, expands it to keys and values, and attends with
-  its local queries under the causal mask of global positions.
+  576 values per token for K3) and the segment ids, and attends with its local queries under the
+  causal mask of global positions, expanding keys and values from the latent one key block at a time
+  (``k3jax.ops.attention.latent_attention``, forward and backward): no shard holds the sequence's
+  keys and values (30720 values per token for K3, 53x the latent; 64 GB per layer for a 1M-token
+  row in bf16, against 1.2 GB of gathered latent), and the key blocks after a shard's last query are
+  neither expanded nor attended. The latent's gradient goes back with the gather's transpose (a
+  reduce-scatter); ``kv_b``'s is summed over the shards. docs/scale.md ("Long context") compares this
+  with attention in the latent space (the absorbed form) and with a ring over KV shards.
 
 Inside the ``shard_map`` the batch splits over the data-like axes that divide it and the heads over
 ``tensor`` when they divide; the other axes hold replicas.
@@ -162,9 +168,9 @@ def mla_attention(attend: Attend, q: jax.Array, kv_latent: jax.Array, segment_id
     """MLA's training attention with the time axis over ``sequence``: the compressed KV is gathered.
 
     q ``[B, T, H, P]``, kv_latent ``[B, T, r + R]`` (normalised ``c_kv`` | ``k_rope``), segment_ids
-    ``[B, T]`` or None, kv_b ``[r, H, nope + v]``. ``attend`` is the layer's expanded attention
+    ``[B, T]`` or None, kv_b ``[r, H, nope + v]``. ``attend`` is the layer's latent attention
     (``[B, t, H, P]`` queries over ``[B, S, r + R]`` latents with ``[B, t]`` / ``[B, S]`` positions and
-    segment ids); returns ``[B, T, H, v]``.
+    segment ids, keys and values expanded block by block); returns ``[B, T, H, v]``.
     """
     mesh = current_mesh()
     sp = sequence_shards(q.shape[1], 1, mesh)
