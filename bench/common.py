@@ -1,6 +1,7 @@
 """Shared pieces of the CPU benchmarks (decode.py, train_step.py, serve.py): the HF Kimi Linear config
-matched to a k3jax config, parameter counts of the torch model under k3jax's rule, timing helpers, and
-the machine's measured float32 matmul peak and memory read bandwidth.
+matched to a k3jax config, parameter counts of the torch model under k3jax's rule (checked against
+its own parameters), timing helpers, and the machine's measured float32 matmul peak and memory read
+bandwidth.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
 and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
@@ -83,18 +84,20 @@ def hf_kimi_linear_config(cfg, *, vocab_size: int | None = None):
 
 
 def torch_param_counts(model) -> dict[str, int]:
-    """k3jax's rule (``k3jax.params``) on a torch KimiLinearForCausalLM: total; active = total minus
-    the unselected share of the routed experts minus the input embedding table."""
-    cfg = model.config
-    total = routed = embedding = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        if ".experts." in name:
-            routed += p.numel()
-        if name.endswith("embed_tokens.weight"):
-            embedding = p.numel()
-    active = total - routed + routed * cfg.num_experts_per_tok // cfg.num_local_experts - embedding
-    return {"total": total, "active": active}
+    """Total and active parameters of a torch KimiLinearForCausalLM under k3jax's rule: ``k3jax.params``'
+    counts (the formulas of ``k3jax.analytic``) of its architecture, its config read as k3jax reads an
+    HF checkpoint's (``interop.hf_config.config_from_hf``), checked against the torch model's own
+    parameters: a total that differs raises (the two models would not be the same architecture)."""
+    from k3jax.interop.hf_config import config_from_hf
+    from k3jax.params import count_params
+
+    cfg, _ = config_from_hf(model.config.to_dict())
+    counts = count_params(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    if numel != counts["total"]:
+        raise ValueError(f"the torch model has {numel} parameters, k3jax.analytic counts {counts['total']} "
+                         f"for its config: the architectures differ")
+    return {"total": counts["total"], "active": counts["active"]}
 
 
 def randomize_torch(model, seed: int) -> None:

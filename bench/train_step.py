@@ -32,9 +32,8 @@ so it scores ``seq_len - 1`` of them per row, k3jax ``seq_len``). Float32 everyw
 a float32 matmul peak measured in the same process (``matmul_peak``: the best of several jitted
 square matmuls): ``6 * N_active * tokens`` (forward + backward through every active weight) plus the
 token mixing that is not a weight matmul, forward + backward (3x): causal softmax attention in the MLA
-layers (``T^2 / 2`` scores per head, each ``2 * (d_qk + d_v)`` FLOPs) and KDA's chunkwise recurrence
-(per token and head ``4 * K * V`` for the state read and update, ``C * (K + V)`` within the chunk).
-The optimizer's FLOPs (Muon's Newton-Schulz iterations) are not counted.
+layers and KDA's chunkwise algorithm, ``k3jax.analytic.mixing_flops_per_token`` (its docstring derives
+them). The optimizer's FLOPs (Muon's Newton-Schulz iterations) are not counted.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from k3jax import analytic  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
@@ -76,24 +76,12 @@ def synthetic_batch(rng: np.random.Generator, batch: int, seq_len: int, vocab: i
             "loss_mask": np.ones((batch, seq_len), np.float32)}
 
 
-def mixing_flops_per_token(cfg, seq_len: int) -> float:
-    """Forward FLOPs per token of the attention / recurrence work outside the weight matmuls (see the
-    module docstring), summed over layers; ``cfg`` a k3jax ``ModelConfig``."""
-    total = 0.0
-    for i in range(cfg.num_layers):
-        if cfg.mixer(i) == "mla":
-            m = cfg.mla
-            total += m.num_heads * (seq_len / 2) * 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-        else:
-            k = cfg.kda
-            total += k.num_heads * (4 * k.head_dim * k.head_dim + min(k.chunk_size, seq_len) * 2 * k.head_dim)
-    return total
-
-
 def model_flops_per_step(cfg, active_params: int, batch: int, seq_len: int) -> float:
-    """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs."""
+    """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs (``k3jax.analytic``) of the k3jax
+    ``ModelConfig`` ``cfg``'s layout."""
     tokens = batch * seq_len
-    return 6.0 * active_params * tokens + 3.0 * mixing_flops_per_token(cfg, seq_len) * tokens
+    mixing = sum(analytic.mixing_flops_per_token(cfg, seq_len).values())
+    return 6.0 * active_params * tokens + 3.0 * mixing * tokens
 
 
 class K3jaxStep:

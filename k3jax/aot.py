@@ -67,11 +67,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from k3jax import analytic
 from k3jax import breakdown as hlo_breakdown
+from k3jax.analytic import newton_schulz_flops
 from k3jax.config import Config, MeshConfig, VisionConfig, load_config
 from k3jax.data.images import IMAGE_KEY_PREFIX
 from k3jax.model import K3Model, abstract_model
-from k3jax.optim import group_table, normalize_path
 from k3jax.params import count_params
 from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding, parse_mesh,
@@ -206,7 +207,7 @@ class Result:
     compile_seconds: float = 0.0
     error: str = ""
     breakdown: hlo_breakdown.Breakdown | None = None  # per device, from the optimized HLO (--breakdown)
-    analytic: dict | None = None  # all devices' analytic FLOPs per part (hlo_breakdown.analytic_step_flops)
+    analytic: dict | None = None  # all devices' analytic FLOPs per part (k3jax.analytic.step_flops)
 
     @property
     def total_bytes(self) -> int:
@@ -262,31 +263,6 @@ def without_groups(model: K3Model) -> K3Model:
     model.groups = None
     model.plan = dataclasses.replace(model.plan, num_groups=0)
     return model
-
-
-def newton_schulz_flops(cfg: Config) -> float:
-    """FLOPs of the optimizer's Newton-Schulz iterations in one step, over all devices (analytic).
-
-    Per Muon block with short side ``r`` and long side ``o``, each step forms ``X X^T`` and
-    ``(b G + c G^2) X``: ``4 r^2 o + 2 r^3`` FLOPs. The blocks are the per-head / per-expert
-    matrices of ``k3jax.optim`` (every batch axis, ``layers`` included, multiplies the count); none
-    with ``train.optim.optimizer=adamw``."""
-    if cfg.train.optim.optimizer != "muon":
-        return 0.0
-    model = abstract_model(cfg.model)
-    shapes = {normalize_path(p): v.get_raw_value().shape for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    total = 0.0
-    for path, (_, dn, _) in group_table(model, per_head=cfg.train.optim.per_head_muon).items():
-        if dn is None:
-            continue
-        shape = shapes[path]
-        axes = lambda a: tuple(i % len(shape) for i in (a if isinstance(a, tuple) else (a,)))  # noqa: E731
-        red, out = axes(dn.reduction_axis), axes(dn.output_axis)
-        m, n = math.prod(shape[i] for i in red), math.prod(shape[i] for i in out)
-        r, o = min(m, n), max(m, n)
-        blocks = math.prod(shape) // (m * n)
-        total += blocks * cfg.train.optim.ns_steps * (4 * r * r * o + 2 * r**3)
-    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,10 +425,8 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     step_flops = 0.0
     if parts is not None:
         step_flops = parts.total_flops * mesh.size
-        analytic = hlo_breakdown.analytic_step_flops(cfg, result.tokens, job.seq_len, train=job.mode == "train")
-        if ns_flops:
-            analytic["newton_schulz"] = ns_flops
-        result = dataclasses.replace(result, breakdown=parts, analytic=analytic)
+        expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.mode)  # Newton-Schulz included
+        result = dataclasses.replace(result, breakdown=parts, analytic=expected)
     elif flops:
         step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
@@ -464,8 +438,8 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
     b, n = r.breakdown, r.num_devices
     ns = b.part_flops("newton_schulz")
     model = r.model_flops / n
-    attention = sum(hlo_breakdown.attention_flops_per_token(r.job.load().model, r.job.seq_len).values())
-    attention *= (3 if r.job.mode == "train" else 1) * r.tokens / n
+    attention = sum(analytic.mixing_flops_per_token(r.job.load().model, r.job.seq_len, r.job.mode).values())
+    attention *= analytic.STEP_FACTOR[r.job.mode] * r.tokens / n
     compute_s = b.total_flops / V5P_PEAK_FLOPS
     comm_s = sum(b.collective_bytes.values()) / V5P_ICI_BYTES_PER_S
     summary = {

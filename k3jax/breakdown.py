@@ -471,7 +471,8 @@ def breakdown(hlo_text: str) -> Breakdown:
 
 
 def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: int = 1) -> str:
-    """Markdown: part, FLOPs by phase, share, analytic FLOPs and the ratio (all per device)."""
+    """Markdown: part, FLOPs by phase, share, analytic FLOPs (all devices', ``k3jax.analytic.step_flops``)
+    and the ratio (all per device)."""
     analytic = analytic or {}
     total = b.total_flops or 1.0
     rows = ["| part | forward | backward | recompute | optimizer | total FLOPs | share | analytic | ratio | HBM GB |",
@@ -488,85 +489,3 @@ def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: in
                 + f"{b.total_flops / (sum(analytic.values()) / devices) if analytic else float('nan'):.2f} | "
                 + f"{sum(b.hbm_bytes.values()) / 1e9:.1f} |")
     return "\n".join(rows)
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Analytic counts per part (the denominators of the table)
-
-# Parameters of a MoE layer by name -> part (everything else under a layer's ``ffn`` is its own FFN).
-_MOE_PARTS = {"router": "router", "down": "latent_proj", "up": "latent_proj", "latent_norm": "latent_proj",
-              "w_gate": "routed_experts", "w_up": "routed_experts", "w_down": "routed_experts",
-              "shared": "shared_experts"}
-
-
-def _param_part(path: tuple, kinds: dict[tuple, tuple[str, str]]) -> str:
-    """The part a parameter belongs to; ``kinds`` maps each DecoderLayer's path to its (mixer, ffn)."""
-    for n in range(len(path), 0, -1):
-        if path[:n] in kinds:
-            mixer, ffn = kinds[path[:n]]
-            name = path[n]
-            if name in ("attn_res_mix", "ffn_res_mix"):
-                return "attn_res"
-            if name in ("mixer", "attn_norm"):
-                return mixer
-            if ffn == "dense":
-                return "dense_ffn"
-            return _MOE_PARTS.get(path[n + 1], "router") if name == "ffn" else "router"  # ffn_norm: router's input
-    top = path[0]
-    if top == "embed":
-        return "embedding"
-    if top in ("final_res_mix",):
-        return "attn_res"
-    if top in ("vision_tower", "mm_projector"):
-        return "vision"
-    return "lm_head_loss"  # final_norm, lm_head
-
-
-def active_params_by_part(model_cfg) -> dict[str, float]:
-    """What one token multiplies through, by part (``k3jax.params``'s *active* rule: routed experts
-    count ``top_k / num_experts``, the input embedding only when tied to the head)."""
-    from flax import nnx  # noqa: PLC0415 - the model is only needed for the analytic side
-
-    from k3jax.model import DecoderLayer, abstract_model  # noqa: PLC0415
-
-    model = abstract_model(model_cfg)
-    kinds = {tuple(p): v.kind for p, v in nnx.iter_graph(model) if isinstance(v, DecoderLayer)}
-    out: dict[str, float] = collections.defaultdict(float)
-    routed_share = model_cfg.moe.top_k / model_cfg.moe.num_experts
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Param):
-            continue
-        part = _param_part(tuple(path), kinds)
-        n = math.prod(var.get_raw_value().shape)
-        if part == "routed_experts":
-            n *= routed_share
-        if part == "embedding":
-            n = n if model_cfg.tie_embeddings else 0
-        out[part] += n
-    return dict(out)
-
-
-def attention_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of the token-mixing beyond the projections (not in ``6 N``).
-
-    MLA: causal softmax attention, ``2 H (d_qk + d_v) * seq_len / 2`` per token and layer. KDA
-    (chunkwise, chunk C): the intra-chunk ``A_kk``, ``A_qk`` (``C x K`` each) and their products with
-    the values (``2 C V``) plus the state reads and update (``3 K V``), ``2 H (2 C K + 2 C V + 3 K V)``."""
-    n_mla = sum(model_cfg.mixer(i) == "mla" for i in range(model_cfg.num_layers))
-    n_kda = model_cfg.num_layers - n_mla
-    a, k = model_cfg.mla, model_cfg.kda
-    mla = 2 * a.num_heads * (a.qk_head_dim + a.v_head_dim) * seq_len / 2 * n_mla
-    c, d = k.chunk_size, k.head_dim
-    kda = 2 * k.num_heads * (2 * c * d + 2 * c * d + 3 * d * d) * n_kda
-    return {"mla": mla, "kda": kda}
-
-
-def analytic_step_flops(cfg, tokens: int, seq_len: int, *, train: bool = True) -> dict[str, float]:
-    """All devices' analytic FLOPs per part for one step over ``tokens`` tokens: ``6 N_part tokens``
-    (``2`` for a forward only) plus the attention of :func:`attention_flops_per_token` (x3 trained)."""
-    factor = 6 if train else 2
-    out = {p: factor * n * tokens for p, n in active_params_by_part(cfg.model).items()}
-    for p, f in attention_flops_per_token(cfg.model, seq_len).items():
-        out[p] = out.get(p, 0.0) + (3 if train else 1) * f * tokens
-    return out

@@ -1,9 +1,12 @@
 """k3jax.breakdown: FLOPs / bytes of a compiled program attributed to named parts, with trip counts."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from k3jax import analytic
 from k3jax import breakdown as bd
 
 M, K, N = 48, 40, 24
@@ -154,20 +157,28 @@ def test_tiny_train_step_matches_analytic_count():
     """Every matmul of the tiny model's train step (scanned layer groups, remat) is attributed, and the
     plain-matmul parts equal ``6 N_part tokens`` (plus one forward for the remat); Newton-Schulz equals
     its analytic count."""
-    from k3jax import aot
-
     cfg, b = train_step_breakdown("full")
-    analytic = bd.analytic_step_flops(cfg, TRAIN_BATCH * TRAIN_SEQ, TRAIN_SEQ)
+    expected = analytic.step_flops(cfg, TRAIN_BATCH * TRAIN_SEQ, TRAIN_SEQ)
     assert b.attributed_share >= 0.95
     for part in ("dense_ffn", "shared_experts", "latent_proj", "lm_head_loss"):
         measured = b.part_flops(part) - b.flops.get((part, "recompute"), 0.0)
-        assert measured == pytest.approx(analytic[part], rel=0.02), part
+        assert measured == pytest.approx(expected[part], rel=0.02), part
     # remat=full: every layer runs its forward once more in the backward pass; the
     # head is not rematerialised
     for part in ("shared_experts", "latent_proj"):  # at most one more forward (XLA may skip some)
         assert 0 < b.flops[(part, "recompute")] <= 1.01 * b.flops[(part, "forward")], part
     assert b.flops.get(("lm_head_loss", "recompute"), 0.0) == 0
-    assert b.part_flops("newton_schulz") == pytest.approx(aot.newton_schulz_flops(cfg), rel=0.02)
+    assert b.part_flops("newton_schulz") == pytest.approx(expected["newton_schulz"], rel=0.02)
+    # KDA's forward, exactly: its weight matmuls (the conv taps, norm gains and gate constants are not
+    # matmuls) and the chunkwise core of k3jax.analytic on its exact diagonal path (the costlier branch
+    # of the conditional, the one counted; the dense path is 4 B_c K FLOPs per head and token less)
+    m = cfg.model
+    n_kda, h, k = sum(m.mixer(i) == "kda" for i in range(m.num_layers)), m.kda.num_heads, m.kda.head_dim
+    not_matmuls = n_kda * (m.hidden_size + 3 * m.kda.conv_size * h * k + h + h * k + k)
+    exact = dataclasses.replace(m, kda=dataclasses.replace(m.kda, gate="softplus"))
+    core = analytic.mixing_flops_per_token(exact, TRAIN_SEQ)["kda"]
+    kda_weights = analytic.active_params_by_part(m)["kda"] - not_matmuls
+    assert b.flops[("kda", "forward")] == (2 * kda_weights + core) * TRAIN_BATCH * TRAIN_SEQ
     for part in ("kda", "mla", "router", "routed_experts"):
         assert b.part_flops(part) > 0, part
 
