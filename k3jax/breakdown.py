@@ -5,8 +5,9 @@
     python -m k3jax.aot --config k3 --mode train ... --breakdown        # table + JSON per compiled job
 
 XLA's ``cost_analysis`` gives one number, counts every loop body once and a kernel (custom call) as
-zero. This module parses the optimized HLO text of a compiled program (``compiled.as_text()``) and
-counts each instruction itself:
+zero. This module parses the optimized HLO text of a compiled program (``compiled.as_text()``; an
+instruction is read whole even where a string in it, e.g. a Pallas kernel's metadata, spans lines:
+``statements``) and counts each instruction itself:
 
 - **Matmul FLOPs**: ``dot`` = ``2 * |output| * |contracted dims|``; ``convolution`` (TPU writes
   dots as convolutions: a batch dimension as a window whose ``lhs_dilate`` equals its size, an output
@@ -50,7 +51,8 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) \(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = (.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = (.*)$", re.DOTALL)  # a statement may span lines
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a string literal: backslash escapes, line breaks
 _CALLS = re.compile(r"\b(calls|body|to_apply|branch_computations|true_computation|false_computation)="
                     r"(\{[^}]*\}|%[^\s,)]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -95,11 +97,32 @@ def _matching(text: str, start: int) -> int:
     return len(text)
 
 
+def statements(text: str):
+    """The HLO text's statements (module line, computation header, instruction, a computation's closing
+    ``}``), one per line unless a string literal or a bracket stays open at the line break: an
+    instruction whose backend_config or metadata holds line breaks (a Pallas kernel's, e.g. the
+    pretty-printed JSON of MaxText's splash attention) is one statement, and a ``}`` starting one of its
+    lines does not end the computation. A computation header ends in the ``{`` that opens its body."""
+    pending: list[str] = []
+    for line in text.splitlines():
+        pending.append(line)
+        joined = "\n".join(pending)
+        bare = _STRING.sub("_", joined) if '"' in joined else joined
+        if '"' in bare:  # a string literal continues on the next line
+            continue
+        depth = sum(map(bare.count, "({[")) - sum(map(bare.count, ")}]"))
+        if depth <= 0 or (depth == 1 and _HEADER.match(joined)):
+            yield joined
+            pending = []
+    if pending:  # unterminated: the text was cut off
+        yield "\n".join(pending)
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
     """Optimized HLO text -> ({computation: instructions}, entry computation name)."""
     comps: dict[str, list[Instr]] = {}
     entry, current = "", None
-    for line in text.splitlines():
+    for line in statements(text):
         if current is None:
             m = _HEADER.match(line)
             if m:
@@ -107,7 +130,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
                 comps[current] = []
                 entry = current if m.group(1) else entry
             continue
-        if line.startswith("}"):
+        if line.lstrip().startswith("}"):
             current = None
             continue
         m = _INSTR.match(line)

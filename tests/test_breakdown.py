@@ -120,6 +120,84 @@ ENTRY %main (x: f32[{B},{T},{D},1], w: bf16[{D},{H},{K},1], dy: bf16[{B},{T},{H}
     assert b.flops[("kda", "backward")] == 2 * B * T * D * H * K
 
 
+# A Pallas kernel's text as MaxText's step holds it: splash attention with its backend_config a JSON
+# object whose kernel metadata is a pretty-printed JSON string (line breaks, a line that starts with
+# "}"), and a megablox grouped matmul with its backend_config a quoted string holding one, inside a
+# while loop of 4 trips (TPU form: the count read off the condition), a plain dot after each.
+_KERNEL_TRIPS = 4
+_MULTILINE_KERNELS_HLO = """HloModule jit_train_step, entry_computation_layout={(bf16[256,128]{1,0}, bf16[128,128]{1,0})->bf16[256,128]{1,0}}
+
+%region_body.10 (arg_tuple.11: (s32[], bf16[256,128], bf16[128,128])) -> (s32[], bf16[256,128], bf16[128,128]) {
+  %arg_tuple.11 = (s32[], bf16[256,128]{1,0}, bf16[128,128]{1,0}) parameter(0)
+  %get-tuple-element.12 = s32[] get-tuple-element(%arg_tuple.11), index=0
+  %get-tuple-element.13 = bf16[256,128]{1,0} get-tuple-element(%arg_tuple.11), index=1
+  %get-tuple-element.14 = bf16[128,128]{1,0} get-tuple-element(%arg_tuple.11), index=2
+  %custom-call.15 = bf16[256,128]{1,0} custom-call(%get-tuple-element.13, %get-tuple-element.14, %get-tuple-element.14), custom_call_target="tpu_custom_call", operand_layout_constraints={bf16[256,128]{1,0}, bf16[128,128]{1,0}, bf16[128,128]{1,0}}, backend_config={"custom_call_config": {"body": "TUxJUhMBKQ==", "cost_estimate": {"flops": 1000000, "transcendentals": 65536, "bytes_accessed": 196608}, "serialization_format": 1, "needs_layout_passes": true}, "kernel_name": "splash_mha_fwd_no_residuals", "kernel_metadata": "{
+  \\"block_sizes\\": {
+    \\"block_q\\": 512,
+    \\"block_kv\\": 512
+  },
+  \\"is_mqa\\": false
+}"}, metadata={op_name="jit(train_step)/mla/splash_mha_fwd_no_residuals/pallas_call" source_file="maxtext/layers/attentions.py" source_line=412}
+  %dot.16 = bf16[256,128]{1,0} dot(%custom-call.15, %get-tuple-element.14), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/kda/dot_general"}
+  %custom-call.17 = bf16[256,128]{1,0} custom-call(%dot.16, %get-tuple-element.14), custom_call_target="tpu_custom_call", backend_config="{\\"custom_call_config\\": {\\"body\\": \\"TUxJUhMBKQ==\\", \\"cost_estimate\\": {\\"flops\\": 3000000, \\"transcendentals\\": 0, \\"bytes_accessed\\": 131072}}, \\"kernel_name\\": \\"gmm\\", \\"kernel_metadata\\": \\"{
+  tiling: [512, 512, 512]
+}\\"}", metadata={op_name="jit(train_step)/routed_experts/gmm/pallas_call"}
+  %dot.18 = bf16[256,128]{1,0} dot(%custom-call.17, %get-tuple-element.14), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/shared_experts/dot_general"}
+  %constant.19 = s32[] constant(1)
+  %add.20 = s32[] add(%get-tuple-element.12, %constant.19)
+  ROOT %tuple.21 = (s32[], bf16[256,128]{1,0}, bf16[128,128]{1,0}) tuple(%add.20, %dot.18, %get-tuple-element.14)
+}
+
+%region_cond.30 (arg_tuple.31: (s32[], bf16[256,128], bf16[128,128])) -> pred[] {
+  %arg_tuple.31 = (s32[], bf16[256,128]{1,0}, bf16[128,128]{1,0}) parameter(0)
+  %get-tuple-element.32 = s32[] get-tuple-element(%arg_tuple.31), index=0
+  %constant.33 = s32[] constant(__TRIPS__)
+  ROOT %compare.34 = pred[] compare(%get-tuple-element.32, %constant.33), direction=LT
+}
+
+ENTRY %main.40 (Arg_0.41: bf16[256,128], Arg_1.42: bf16[128,128]) -> bf16[256,128] {
+  %Arg_0.41 = bf16[256,128]{1,0} parameter(0)
+  %Arg_1.42 = bf16[128,128]{1,0} parameter(1)
+  %constant.43 = s32[] constant(0)
+  %tuple.44 = (s32[], bf16[256,128]{1,0}, bf16[128,128]{1,0}) tuple(%constant.43, %Arg_0.41, %Arg_1.42)
+  %while.45 = (s32[], bf16[256,128]{1,0}, bf16[128,128]{1,0}) while(%tuple.44), condition=%region_cond.30, body=%region_body.10
+  %get-tuple-element.46 = bf16[256,128]{1,0} get-tuple-element(%while.45), index=1
+  ROOT %dot.47 = bf16[256,128]{1,0} dot(%get-tuple-element.46, %Arg_1.42), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/lm_head_loss/dot_general"}
+}
+""".replace("__TRIPS__", str(_KERNEL_TRIPS))
+
+
+def test_kernel_text_with_line_breaks_and_closing_braces():
+    """An instruction whose backend_config holds line breaks and a line starting with ``}`` (inside a
+    string) is one instruction: its kernel's cost is read, the instructions after it and the later
+    computations are all counted (reading it line by line ended the loop body at that ``}``)."""
+    comps, entry = bd.parse_hlo(_MULTILINE_KERNELS_HLO)
+    assert entry == "main.40"
+    assert [i.opcode for i in comps["region_body.10"]][4:] == ["custom-call", "dot", "custom-call", "dot", "constant",
+                                                                 "add", "tuple"]
+    assert len(comps["region_cond.30"]) == 4 and len(comps[entry]) == 7
+    splash = comps["region_body.10"][4]
+    assert splash.op_name == "jit(train_step)/mla/splash_mha_fwd_no_residuals/pallas_call"
+    assert splash.operands == ["get-tuple-element.13", "get-tuple-element.14", "get-tuple-element.14"]
+    b = bd.breakdown(_MULTILINE_KERNELS_HLO)
+    dot = 2 * 256 * 128 * 128
+    assert b.flops[("mla", "forward")] == _KERNEL_TRIPS * 1_000_000
+    assert b.flops[("routed_experts", "forward")] == _KERNEL_TRIPS * 3_000_000
+    assert b.flops[("kda", "forward")] == b.flops[("shared_experts", "forward")] == _KERNEL_TRIPS * dot
+    assert b.flops[("lm_head_loss", "forward")] == dot
+    assert b.total_flops == _KERNEL_TRIPS * (4_000_000 + 2 * dot) + dot
+    assert b.attributed_share == 1.0
+
+
+def test_statements_join_only_open_strings_and_brackets():
+    text = 'a = f(x, "s\n}\n"), m={k=1,\n j=2}\n}\nENTRY %main (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n}'
+    assert list(bd.statements(text)) == ['a = f(x, "s\n}\n"), m={k=1,\n j=2}', "}",
+                                         "ENTRY %main (p: f32[2]) -> f32[2] {", "  %p = f32[2]{0} parameter(0)", "}"]
+    # an escaped quote does not end the string
+    assert list(bd.statements('x = "a\\"}\nb"\ny')) == ['x = "a\\"}\nb"', "y"]
+
+
 # tiny with 6 layers and an MLA every 2nd layer: dense KDA layer 0, two scanned [MLA, KDA] groups and a
 # final MLA (unrolled and scanned layers, both mixers, dense FFN and MoE)
 TRAIN_BATCH, TRAIN_SEQ = 2, 64
