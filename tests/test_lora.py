@@ -254,7 +254,7 @@ def test_trained_adapter_loads_in_peft(family, request, tmp_path, tokens):  # no
     from k3jax.interop import from_hf, to_hf
     from k3jax.interop.peft import load_peft, save_peft
 
-    path, base_ref = request.getfixturevalue(f"{family}_ckpt")
+    path, base_ref = request.getfixturevalue({"kimi_linear": "kimi_linear_ckpt", "deepseek_v3": "deepseek_ckpt"}[family])
     overrides = ["kda.chunk_size=8"] if family == "kimi_linear" else []
     # PEFT retargets DeepSeek-V3's gate/up/down_proj to its fused routed experts (k3jax.interop.peft)
     targets = ("mla", "kda", "ffn", "shared") if family == "kimi_linear" else ("mla",)
