@@ -131,6 +131,7 @@ def test_adapters_mirror_the_weights_and_zero_b_is_the_base(two_layer):
     np.testing.assert_array_equal(np.asarray(model(tokens)[0]), base)  # B = 0: exactly the base
 
 
+@pytest.mark.slow
 def test_merge_and_unroll_keep_the_logits(two_layer):
     cfg, tokens = two_layer
     model = create_model(cfg.model, seed=3)
