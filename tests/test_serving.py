@@ -47,15 +47,17 @@ REF_T, REF_NEW = 32, 16  # the reference's padded prompt width and tokens: one c
 
 # --- a server on a free port ---------------------------------------------------------------------------
 @contextlib.contextmanager
-def running_server(engine: Engine, model_name: str = "tiny"):
-    """A uvicorn server of ``engine`` on 127.0.0.1 (free port) in a thread; yields the base URL."""
+def running_server(engine: Engine, model_name: str = "tiny", tokenizer=None):
+    """A uvicorn server of ``engine`` (with ``tokenizer``, default bytes) on 127.0.0.1 (free port) in a
+    thread; yields the base URL."""
     import uvicorn
 
     from k3jax.serving.api import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, ByteTokenizer(), model_name), log_level="warning"))
+    app = create_app(engine, tokenizer or ByteTokenizer(), model_name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300

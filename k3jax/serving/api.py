@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
+from k3jax.serving.assistant_reply import ReplyStream, parse_reply, renders_xtml
 from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
 from k3jax.serving.logprob_fields import CompletionLogprobs, chat_content
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
@@ -46,7 +47,7 @@ from k3jax.serving.text import TextStream, chat_prompt
 
 RETRY_AFTER_S = 1
 # Accepted for compatibility only at their neutral value.
-_UNSUPPORTED = ("best_of", "suffix", "logit_bias", "tools", "functions", "presence_penalty", "frequency_penalty")
+_UNSUPPORTED = ("best_of", "suffix", "logit_bias", "functions", "presence_penalty", "frequency_penalty")
 
 
 class _Strict(BaseModel):
@@ -82,9 +83,35 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    reasoning_content: str | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+class Function(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
 
 
 class ChatRequest(_Sampling):
@@ -92,6 +119,8 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # "none": the tools are not offered
 
 
 class TokenizeRequest(_Strict):
@@ -120,7 +149,8 @@ def _param(loc: tuple) -> str:
     for part in loc[1:]:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif out.startswith("messages") and part in Message.model_fields:
+        elif (out.startswith("messages") and part in Message.model_fields) or (
+                out.startswith("tools") and part in Tool.model_fields):
             out += f".{part}"
         else:
             break  # a union member's name (e.g. "list[int]"), not a field
@@ -176,8 +206,10 @@ class _Channel:
 class _Choice:
     """One sequence of a request: its engine request, its text so far and its tokens' log-probabilities."""
 
-    def __init__(self, index: int, seq: Sequence, text: TextStream, logprobs: CompletionLogprobs | None):
+    def __init__(self, index: int, seq: Sequence, text: TextStream, logprobs: CompletionLogprobs | None,
+                 reply: ReplyStream | None):
         self.index, self.seq, self.text, self.logprobs = index, seq, text, logprobs
+        self.reply = reply  # chat in K3's format: the turn parsed into reasoning, content and tool calls
         self.ids: list[int] = []  # generated ids handed out (no stop token)
         self.entries: list[TokenLogprobs] = []
         self.parts: list[str] = []
@@ -254,10 +286,13 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     def prompt_ids(req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
         """The request's prompts as token ids (chat: one)."""
         if chat:
-            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                         else "".join(p.text for p in m.content)} for m in req.messages]
+            messages = [{**m.model_dump(exclude_none=True, exclude={"content"}),
+                         "content": m.content if isinstance(m.content, str) else
+                         "".join(p.text for p in m.content or [])} for m in req.messages]
+            offered = req.tools if req.tools and req.tool_choice != "none" else None
+            tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
             try:
-                return [chat_prompt(tokenizer, [{**m, "content": m["content"] or ""} for m in messages])]
+                return [chat_prompt(tokenizer, messages, tools)]
             except Exception as e:  # a template that rejects the conversation (e.g. role order)
                 raise BadRequest(f"cannot render the chat template: {e}", "messages") from None
         prompt = req.prompt
@@ -354,7 +389,8 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             for p in prompt_params:
                 seq = Sequence(prompt, p, *channel.callbacks(len(choices)))
                 logprobs = None if chat or p.logprobs is None else CompletionLogprobs(tokenizer, p.logprobs)
-                choices.append(_Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs))
+                choices.append(_Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs,
+                                       ReplyStream() if chat and renders_xtml(tokenizer) else None))
 
         def cancel_all():
             for c in choices:
@@ -414,10 +450,18 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
                 echoed.add(c.index)
                 yield _sse(reply.chunk(c, reply.echo(c), prompt=True))
             tokens = [] if token is None else [token]
-            if delta or (token is not None and (reply.token_ids or logprobs is not None)):
-                yield _sse(reply.chunk(c, delta, tokens, [logprobs] if logprobs is not None else []))
+            entries = [logprobs] if logprobs is not None else []
+            if c.reply is not None:  # the turn's parts as they complete
+                deltas = [reply.reply_delta(c, kind, value)
+                          for kind, value in c.reply.feed(c.text.emitted, final=reason is not None)]
+                if not deltas and (entries or (reply.token_ids and tokens)):
+                    deltas = [{}]
+                for k, d in enumerate(deltas):
+                    yield _sse(reply.chunk(c, d, tokens if k == 0 else [], entries if k == 0 else []))
+            elif delta or (token is not None and (reply.token_ids or logprobs is not None)):
+                yield _sse(reply.chunk(c, delta, tokens, entries))
             if reason is not None:
-                yield _sse(reply.chunk(c, None, finish_reason=reason))
+                yield _sse(reply.chunk(c, None, finish_reason=reply.finish_reason(c, reason)))
         if usage:
             yield _sse(reply.usage_chunk(choices))
         yield "data: [DONE]\n\n"
@@ -477,10 +521,7 @@ class _Reply:
     def chunk(self, c: _Choice, delta, token_ids=(), entries=(), finish_reason=None, prompt: bool = False) -> dict:
         """A stream chunk of choice ``c``: ``delta`` is text (completions), a delta dict (chat) or None
         (its final chunk); ``prompt``: the echoed prompt."""
-        if finish_reason is not None or (self.chat and isinstance(delta, dict)):
-            logprobs = None
-        else:
-            logprobs = self._logprobs(c, list(token_ids), list(entries), prompt)
+        logprobs = self._logprobs(c, list(token_ids), list(entries), prompt) if entries or prompt else None
         if self.chat:
             choice = {"index": c.index, "delta": delta if isinstance(delta, dict) else
                       ({} if delta is None else {"content": delta}), "logprobs": logprobs,
@@ -490,6 +531,22 @@ class _Reply:
         if self.token_ids and (token_ids or prompt):
             choice["token_ids"] = list(c.seq.prompt if prompt else token_ids)
         return self._envelope([choice], chunk=True)
+
+    @staticmethod
+    def reply_delta(c: _Choice, kind: str, value) -> dict:
+        """A chat delta from a parsed turn's event (``ReplyStream.feed``)."""
+        if kind == "tool_call":
+            return {"tool_calls": [{"index": c.reply.tool_calls.index(value), **value}]}
+        return {"reasoning_content" if kind == "reasoning" else "content": value}
+
+    @staticmethod
+    def finish_reason(c: _Choice, reason: str, text: str | None = None) -> str:
+        """``tool_calls`` for a turn that ended (``stop``) with well-formed tool calls."""
+        if c.reply is None or reason != "stop":
+            return reason
+        if text is not None:
+            return "tool_calls" if parse_reply(text).tool_calls else reason
+        return "tool_calls" if c.reply.tool_calls and not c.reply.malformed else reason
 
     def usage_chunk(self, choices: list[_Choice]) -> dict:
         out = self._envelope([], chunk=True)
@@ -501,8 +558,15 @@ class _Reply:
         for c in choices:
             text = "".join(c.parts)
             if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
-                          "logprobs": self._logprobs(c, c.ids, c.entries, False), "finish_reason": c.finish_reason}
+                message = {"role": "assistant", "content": text}
+                if c.reply is not None:
+                    turn = parse_reply(text)
+                    message = {"role": "assistant", "content": turn.content or (None if turn.tool_calls else ""),
+                               "reasoning_content": turn.reasoning}
+                    if turn.tool_calls:
+                        message["tool_calls"] = turn.tool_calls
+                choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c, c.ids, c.entries, False),
+                          "finish_reason": self.finish_reason(c, c.finish_reason, text)}
             else:
                 echo = c.seq.params.prompt_logprobs
                 logprobs = None
