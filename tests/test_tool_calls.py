@@ -24,8 +24,9 @@ TURN = (f"The user wants weather.{CLOSE}think{SEP}{OPEN}response{SEP}Checking.{C
         f"{OPEN}tools{SEP}{CALL}{CLOSE}tools{SEP}{CLOSE}message{SEP}<|end_of_msg|>")
 PLAIN = f"Hm.{CLOSE}think{SEP}{OPEN}response{SEP}Hello!{CLOSE}response{SEP}{CLOSE}message{SEP}<|end_of_msg|>"
 BROKEN = f"Hm.{CLOSE}think{SEP}{OPEN}tools{SEP}oops<|end_of_msg|>"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 class ScriptedEngine:

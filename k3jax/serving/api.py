@@ -14,6 +14,12 @@ Log-probabilities (``k3jax.serving.logprobs``: the model's, before temperature a
 ``k3jax.serving.logprob_fields`` for the fields): completions ``logprobs: k`` (0-20) and ``echo``
 (the prompt's text and tokens first; with ``max_tokens: 0`` the request only scores its prompt);
 chat ``logprobs: true`` and ``top_logprobs: k``. Streamed too, each chunk with its tokens' entries.
+
+Tools (chat): ``tools`` (``tool_choice``: ``auto``, or ``none`` to not offer them), the history's
+assistant ``tool_calls`` / ``reasoning_content`` and ``tool`` messages go to the checkpoint's chat
+format (``k3jax.data.chat.chat_prompt``). A checkpoint in K3's format (XTML) has its turn parsed back
+(``k3jax.serving.assistant_reply``) into ``reasoning_content``, ``content`` and ``tool_calls``
+(``finish_reason: tool_calls``), streamed as deltas too; other formats return the raw text.
 Extension (as in vLLM): ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
 each choice.
 
