@@ -477,6 +477,21 @@ def test_grouped_glu_experts_forward_backward_lowers_to_triton():
 
 
 @pytest.mark.gpu_lower
+def test_kda_lowers_inside_shard_map():
+    """Per shard inside ``jax.shard_map`` (the sequence- and data-parallel paths run it so): the kernels'
+    outputs carry the operands' manual mesh axes, forward and backward."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("x",), abstract_device=AbstractDevice("H100", None, "cuda"))
+    f = lambda *a: chunk_kda(*a, chunk_size=64, backend="gpu", interpret=False, safe_gate=True)[0]
+    loss = lambda *a: jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))(*a).astype(F32))
+    shapes = [((2, 256, 2, 128), BF16)] * 3 + [((2, 256, 2, 128), F32), ((2, 256, 2), F32)]
+    calls = triton_calls(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), *shapes, mesh=mesh)
+    check_kda_launches(calls, 1, 256, 2, 128, 64, block_v=64, loop_stages=2)  # one batch row per shard
+
+
+@pytest.mark.gpu_lower
 def test_kda_impl_auto_keeps_xla_on_gpu_until_measured():
     """``model.kda_impl: auto`` is the XLA op on every platform until the chunk-parallel Triton kernels are
     timed on a GPU (docs/kernels.md): traced for a GPU it lowers no Triton kernel. ``moe_impl: auto`` keeps

@@ -10,11 +10,10 @@ head, no loop and no state carried (``_tiles.intra``: scores, triangular inverse
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import triton_params
+from pallas_kernels._common import out_struct, triton_params
 from pallas_kernels.kda import _tiles
 from pallas_kernels.kda._gpu_layout import F32, SEG_COLS, head_cols, load_chunk, tile_rows
 
@@ -61,11 +60,11 @@ def intra_forward(q, k, kb, vb, Gs, seg, *, cfg, exact, B, H, N):
     Tp, C, K, V = N * cfg.C, cfg.C, cfg.K, cfg.V
     has_seg = seg is not None
     tok = lambda width: head_cols(C, width, lambda b, h, n: (b, n, h))
-    out = lambda width, dtype: jax.ShapeDtypeStruct((B, Tp, H * width), dtype)
+    out = lambda width, dtype: out_struct((B, Tp, H * width), dtype, q)
     A, W, U, k_out, Qg, decay = pl.pallas_call(
         functools.partial(_intra_fwd_kernel, cfg=cfg, exact=exact, has_seg=has_seg),
         out_shape=[out(C, cfg.mmdt), out(K, cfg.mmdt), out(V, F32), out(K, cfg.mmdt), out(K, cfg.mmdt),
-                   jax.ShapeDtypeStruct((B, H, N, K), F32)],
+                   out_struct((B, H, N, K), F32, q)],
         grid=(B, H, N),
         in_specs=_chunk_specs(cfg, has_seg, with_vb=True),
         out_specs=[tok(C), tok(K), tok(V), tok(K), tok(K), _decay_spec(K)],
@@ -111,7 +110,7 @@ def intra_backward(q, k, kb, vb, Gs, seg, hs, dhs, delta, ddelta, do, *, cfg, ex
     has_seg = seg is not None
     tok = lambda width: head_cols(C, width, lambda b, h, n: (b, n, h))
     state = pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), K, V), lambda b, h, n: (b, h, n, 0))
-    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    like = lambda x: out_struct(x.shape, x.dtype, q)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, cfg=cfg, exact=exact, has_seg=has_seg),
         out_shape=[like(q), like(k), like(kb), like(vb), like(Gs)],

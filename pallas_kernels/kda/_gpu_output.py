@@ -2,10 +2,9 @@
 state entering the chunk (stored by the recurrence) and the pseudo-values. Grid ``(B, H, N chunks, V / BV)``,
 fully parallel: two ``[C, *]`` matmuls per program."""
 
-import jax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import mm, triton_params
+from pallas_kernels._common import mm, out_struct, triton_params
 from pallas_kernels.kda._gpu_layout import head_cols
 
 OUTPUT = "output"
@@ -21,7 +20,7 @@ def output(Qg, hs, A, delta, *, cfg, B, H, N):
     C, K, V, BV, NV = cfg.C, cfg.K, cfg.V, cfg.BV, cfg.NV
     return pl.pallas_call(
         _kernel,
-        out_shape=jax.ShapeDtypeStruct((B, N * C, H * V), cfg.out_dtype),
+        out_shape=out_struct((B, N * C, H * V), cfg.out_dtype, Qg),
         grid=(B, H, N, NV),
         in_specs=[head_cols(C, K, lambda b, h, n, v: (b, n, h)),
                   pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), K, BV), lambda b, h, n, v: (b, h, n, v)),

@@ -15,7 +15,7 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import mm, triton_params
+from pallas_kernels._common import mm, out_struct, triton_params
 from pallas_kernels.kda._gpu_layout import F32, head_cols
 from pallas_kernels.kda._tiles import col
 
@@ -65,8 +65,8 @@ def state_forward(W, U, k_out, decay, h0, *, cfg, B, H, N):
     has_h0 = h0 is not None
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, N=N, has_h0=has_h0),
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), cfg.mmdt), jax.ShapeDtypeStruct((B, Tp, H * V), cfg.mmdt),
-                   jax.ShapeDtypeStruct((B, H, K, V), F32)],
+        out_shape=[out_struct((B, H, N * K, V), cfg.mmdt, W), out_struct((B, Tp, H * V), cfg.mmdt, W),
+                   out_struct((B, H, K, V), F32, W)],
         grid=(B, H, cfg.NV),
         in_specs=[tok_k, tok_v, tok_k, decay_spec] + ([state] if has_h0 else []),
         out_specs=[states, tok_v, state],
@@ -101,8 +101,8 @@ def state_backward(A, do, k_out, Qg, W, decay, dhT, *, cfg, B, H, N):
     scores = head_cols(Tp, C, lambda b, h, v: (b, 0, h))
     return pl.pallas_call(
         functools.partial(_bwd_kernel, cfg=cfg, N=N),
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), cfg.mmdt), jax.ShapeDtypeStruct((B, Tp, H * V), F32),
-                   jax.ShapeDtypeStruct((B, H, K, V), F32)],
+        out_shape=[out_struct((B, H, N * K, V), cfg.mmdt, W), out_struct((B, Tp, H * V), F32, W),
+                   out_struct((B, H, K, V), F32, W)],
         grid=(B, H, cfg.NV),
         in_specs=[scores, tok_v, tok_k, tok_k, tok_k, decay_spec, state],
         out_specs=[states, tok_v, state],
