@@ -18,7 +18,8 @@ A compressed routed expert (``quant.experts=mxfp4 / int4 / fp8_block``: codes an
 *Active* is what one token multiplies through: the routed experts count ``top_k / num_experts`` of
 themselves, the input embedding table nothing (a lookup) unless it is tied to the head, where it
 counts under ``lm_head_loss`` (the head's matmul). The router's balancing bias is state, not a weight.
-LoRA adapters (``train.lora``) are the ``lora`` part, all active.
+LoRA adapters (``train.lora``) are the ``lora`` part, all active. The vision tower counts whole, as
+active (it runs per image patch, not per text token: its ``2 N`` per text token is a convention).
 
 **FLOPs per token**, forward, all layers and heads: ``2 x`` the active parameters of each part (every
 weight is one multiply-add per token; the norms, gains and convolution taps are counted alike, a
@@ -142,9 +143,7 @@ def _vision_params(cfg: ModelConfig) -> int:
 
 def _lora_params(cfg: ModelConfig, lora: LoRAConfig, mixer: str, ffn: str) -> int:
     """A layer's adapters: ``A [in, r]`` and ``B [r, out]`` per targeted matrix it has."""
-    kinds = [mixer, "ffn" if ffn == "dense" else "shared"]
-    if ffn != "dense" and not cfg.moe.num_shared_experts:
-        kinds.pop()
+    kinds = [mixer] + (["ffn"] if ffn == "dense" else ["shared"] if cfg.moe.num_shared_experts else [])
     total = 0
     for kind in kinds:
         matrices = _projections(cfg, kind)

@@ -177,6 +177,7 @@ def test_mixing_flops_and_step_flops():
                              + m.mla.qk_rope_head_dim) * 1024) * 4
 
 
+@pytest.mark.slow  # importing torch and transformers: ~15 s on 2 busy cores
 @pytest.mark.parametrize("config", ["tiny", "small"])
 def test_torch_param_counts_are_the_analytic_counts_of_the_hf_model(config):
     """bench/common.torch_param_counts: k3jax's counts of the HF Kimi Linear model's config, equal to
