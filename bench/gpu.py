@@ -18,7 +18,8 @@ section and to stdout at the end. Sections, in order (``--sections`` picks some)
   (fp32 gate and beta), H 16, 32 and 8: the Triton kernels (``pallas_kernels.kda``, ``safe_gate=True``),
   the pure-JAX op (XLA) and fla-core's Triton ``chunk_kda`` (imported, or installed from the ``*.whl``
   files beside this script into a temporary directory when fla is absent: the machine has no package
-  index), plus the Triton output's error against XLA's at that shape;
+  index), plus the Triton output's error against XLA's at that shape; then, if the time box allows, the
+  Triton kernels with other tiles (``KDA_SWEEP``) at the first shape;
 - ``moe``: the grouped matmuls at K3's per-device shape, bf16: Triton kernels against ``lax.ragged_dot``;
 - ``ceilings``: the device's measured bf16 and fp32 matmul rates (XLA, 8192^3) and its device-to-device
   copy bandwidth (bytes read + written): the peaks the figures above are divided by;
@@ -57,6 +58,8 @@ GRACE_S = 20  # past the deadline, before the child is killed (a case already ru
 KDA_SHAPES = {"quick": [(1, 96, 2, 32, 32, 32)],
               "full": [(1, 8192, 16, 128, 128, 64), (1, 8192, 32, 128, 128, 64), (1, 8192, 8, 128, 128, 64)]}
 # (rows M = tokens x top-k, D, F, experts E): K3's per-device expert shape at 64-way EP
+# the Triton KDA kernels' options tried last in the kda section, at its first shape (defaults: _gpu_layout.TILING)
+KDA_SWEEP = [dict(block_v=32), dict(num_warps=8)]
 MOE_SHAPES = {"quick": (256, 64, 96, 6), "full": (32768, 3584, 3072, 14)}
 # train-step runs: (name, config, overrides, batch, seq_len)
 MEDIUM = ["model.hidden_size=1024", "model.kda.num_heads=8", "model.kda.head_dim=128", "model.mla.num_heads=8",
@@ -342,10 +345,6 @@ def import_fla_chunk_kda():
 
 
 def kda_bench(sec, quick, repeats, seed, args):
-    import jax
-    import jax.numpy as jnp
-    import kernels
-
     from k3jax.ops import chunk_kda as xla_kda
     from pallas_kernels.kda import chunk_kda as pallas_kda
 
@@ -353,46 +352,64 @@ def kda_bench(sec, quick, repeats, seed, args):
     fla = {}
     if "fla_triton" in peers:
         sec.case("fla_import", lambda: fla.setdefault("fn", import_fla_chunk_kda()) and {"ok": True})
-    for B, T, H, K, V, C in KDA_SHAPES["quick" if quick else "full"]:
-        tag = f"B{B}_T{T}_H{H}"
-        flops, _ = kernels.kda_cost(B, T, H, K, V, C, 2)
-        sec.meta[f"{tag}_shape"] = {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": C, "qkv": "bfloat16",
-                                       "flops_fwd": flops}
-        q, k, v, g, beta, h0, do, dS = kda_inputs(B, T, H, K, V, jnp.bfloat16, seed)
-        inputs = (q, k, v, g, beta, h0)
-        outs = {}
+    shapes = KDA_SHAPES["quick" if quick else "full"]
+    base = [("k3jax_pallas", pallas_kda, dict(safe_gate=True)), ("k3jax_xla", xla_kda, {})]
+    for shape in shapes:
+        kda_shape(sec, shape, base, fla.get("fn"), repeats, seed)
+    # last, if time is left: other tiles of the Triton kernels at the first shape (untuned so far)
+    sweep = [(f"k3jax_pallas_{'_'.join(f'{k}{v}' for k, v in opts.items())}", pallas_kda,
+              dict(safe_gate=True, gpu_options=opts)) for opts in KDA_SWEEP]
+    kda_shape(sec, shapes[0], sweep, None, repeats, seed)
 
-        def jax_impl(fn, **kw):
-            fwd = jax.jit(lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, initial_state=h0,
-                                                          output_final_state=True, chunk_size=C, **kw))
 
-            def loss(q, k, v, g, beta, h0):
-                o, S = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C, **kw)
-                return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS)
+def kda_shape(sec, shape, impls, fla_fn, repeats, seed):
+    """Times ``impls`` ``[(name, chunk_kda, kwargs)]`` (and fla's kernel) at one shape, forward and forward +
+    backward; the first Pallas output's error against XLA's; speed-ups of the Pallas kernels."""
+    import jax
+    import jax.numpy as jnp
+    import kernels
 
-            return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+    B, T, H, K, V, C = shape
+    tag = f"B{B}_T{T}_H{H}"
+    flops, _ = kernels.kda_cost(B, T, H, K, V, C, 2)
+    sec.meta[f"{tag}_shape"] = {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk": C, "qkv": "bfloat16",
+                                "flops_fwd": flops}
+    q, k, v, g, beta, h0, do, dS = kda_inputs(B, T, H, K, V, jnp.bfloat16, seed)
+    inputs = (q, k, v, g, beta, h0)
+    outs = {}
 
-        def timed(name, fwd, fb):
-            first, t = jax_time(fwd, inputs, repeats)
-            outs[name] = fwd(*inputs)[0]
-            first_b, tb = jax_time(fb, inputs, repeats)
-            return {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first, "first_call_bwd_s": first_b,
-                    "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
+    def jax_impl(fn, **kw):
+        fwd = jax.jit(lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      chunk_size=C, **kw))
 
-        for name, fn, kw in (("k3jax_pallas", pallas_kda, dict(safe_gate=True)), ("k3jax_xla", xla_kda, {})):
-            sec.case(f"{tag}_{name}", lambda name=name, fn=fn, kw=kw: timed(name, *jax_impl(fn, **kw)))
-        if "k3jax_pallas" in outs and "k3jax_xla" in outs:
-            sec.results[f"{tag}_pallas_o_rms_rel_vs_xla"] = rms_rel(outs["k3jax_pallas"], outs["k3jax_xla"])
-        if "fn" in fla:
-            sec.case(f"{tag}_fla_triton", lambda: torch_kda(fla["fn"], inputs, do, dS, repeats, flops,
-                                                            outs.get("k3jax_xla")))
-        base = sec.results.get(f"{tag}_k3jax_pallas", {})
+        def loss(q, k, v, g, beta, h0):
+            o, S = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C, **kw)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(S * dS)
+
+        return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+
+    def timed(name, fwd, fb):
+        first, t = jax_time(fwd, inputs, repeats)
+        outs[name] = fwd(*inputs)[0]
+        first_b, tb = jax_time(fb, inputs, repeats)
+        return {"fwd_ms": t * 1e3, "fwd_bwd_ms": tb * 1e3, "first_call_s": first, "first_call_bwd_s": first_b,
+                "fwd_tflops": flops / t / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12}
+
+    for name, fn, kw in impls:
+        sec.case(f"{tag}_{name}", lambda name=name, fn=fn, kw=kw: timed(name, *jax_impl(fn, **kw)))
+    if "k3jax_pallas" in outs and "k3jax_xla" in outs:
+        sec.results[f"{tag}_pallas_o_rms_rel_vs_xla"] = rms_rel(outs["k3jax_pallas"], outs["k3jax_xla"])
+    if fla_fn is not None:
+        sec.case(f"{tag}_fla_triton", lambda: torch_kda(fla_fn, inputs, do, dS, repeats, flops, outs.get("k3jax_xla")))
+    pallas = [name for name, _, _ in impls if name.startswith("k3jax_pallas")]
+    for mine in pallas:
+        base = sec.results.get(f"{tag}_{mine}", {})
         for peer in ("k3jax_xla", "fla_triton"):
             r = sec.results.get(f"{tag}_{peer}", {})
             if "fwd_ms" in r and "fwd_ms" in base:
-                sec.results[f"{tag}_speedup_pallas_vs_{peer}"] = {"fwd": r["fwd_ms"] / base["fwd_ms"],
+                sec.results[f"{tag}_speedup_{mine}_vs_{peer}"] = {"fwd": r["fwd_ms"] / base["fwd_ms"],
                                                                   "fwd_bwd": r["fwd_bwd_ms"] / base["fwd_bwd_ms"]}
-        sec.save()
+    sec.save()
 
 
 def torch_kda(fn, inputs, do, dS, repeats, flops, ref):
