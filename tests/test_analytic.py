@@ -203,3 +203,15 @@ def test_torch_param_counts_are_the_analytic_counts_of_the_hf_model(config):
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight[:-1].clone())  # one vocab row short
     with pytest.raises(ValueError, match="architectures differ"):
         torch_param_counts(model)
+
+
+def test_params_cli_by_part(capsys):
+    import json
+
+    from k3jax.params import main
+
+    main(["tiny", "--by-part", "train.lora.rank=4"])
+    out = json.loads(capsys.readouterr().out)
+    assert sum(out["by_part"].values()) == out["total"] + out["by_part"]["lora"]  # the totals leave adapters out
+    assert sum(out["active_by_part"].values()) == out["active"] + out["by_part"]["lora"]
+    assert out["by_part"]["lora"] == analytic.params_by_part(load_config("tiny").model, LoRAConfig(rank=4))["lora"]
