@@ -201,8 +201,9 @@ def fla_naive():
 
 
 @pytest.mark.parametrize("dtype,segments", [(F32, False), (F32, True),
+                                            pytest.param(BF16, False, marks=pytest.mark.slow),
                                             pytest.param(BF16, True, marks=pytest.mark.slow)],
-                         ids=["fp32-dense", "fp32-resets", "bf16-resets"])
+                         ids=["fp32-dense", "fp32-resets", "bf16-dense", "bf16-resets"])
 def test_kda_matches_fla_naive(fla_naive, dtype, segments):
     """Output, final state and all six gradients against fla's own reference through torch autograd: 2 rows,
     T 40 (two chunks of 32, the second partial), 2 heads, resets (one at the chunk boundary) and an initial
