@@ -27,10 +27,10 @@ rounding error), plus the token mixing that is not a weight matmul (:func:`mixin
 A training step is ``3x`` the forward (backward = two matmuls per forward one); a LoRA run's frozen
 weights skip their weight gradients, which this convention does not model.
 
-- **MLA** (training / prefill over ``T`` tokens): causal softmax attention, each token's query against
-  ``T / 2`` keys on average: ``2 H (d_qk + d_v) T / 2``. **Decode** (one token against a cache of
-  ``S``, the absorbed form of ``layers/mla.py``): scores over the latent and rope key ``2 H (r + R) S``
-  and the latent values ``2 H r S``. (The absorbed ``W_UK`` / ``W_UV`` products are ``kv_b``'s weight
+- **MLA** (training / a forward over ``T`` tokens): causal softmax attention, each token's query against
+  ``T / 2`` keys on average: ``2 H (d_qk + d_v) T / 2``. **Decode** and **prefill** (tokens against a
+  cache of ``S``, the absorbed form of ``layers/mla.py``): scores over the latent and rope key
+  ``2 H (r + R) S`` and the latent values ``2 H r S``. (The absorbed ``W_UK`` / ``W_UV`` products are ``kv_b``'s weight
   FLOPs, counted in the ``2 N`` term.)
 - **KDA**, chunkwise (``ops/kda.py: chunk_kda``, ``ops/kda_chunk.py``), per head and token, chunk ``C``
   (``min(chunk_size, T)`` rounded up to a power of two), head dims ``K = V``, sub-tile ``B_c =
@@ -72,9 +72,13 @@ from k3jax.layer_plan import layer_kind
 from k3jax.ops.kda_chunk import DENSE_MIN_SUM, MAX_CHUNK, SUBTILE
 from k3jax.vision.moonvit import NUM_CHANNELS
 
-Mode = Literal["train", "forward", "decode"]
+# train / forward: a step over rows of ``seq_len`` tokens; decode: one token per row against a cache of
+# ``seq_len``; prefill: a chunk of prompt tokens per row written into such a cache (serving's chunked
+# prefill), attending over all of it (the last chunk's work, an upper bound) and at least ``chunk_size``
+# tokens long (KDA runs its full chunks).
+Mode = Literal["train", "forward", "decode", "prefill"]
 # Forward FLOPs -> FLOPs of a step: training runs the backward pass too (two matmuls per forward one).
-STEP_FACTOR = {"train": 3, "forward": 1, "decode": 1}
+STEP_FACTOR = {"train": 3, "forward": 1, "decode": 1, "prefill": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,9 +228,9 @@ def kda_flops_per_token(cfg: ModelConfig, seq_len: int, mode: Mode = "train") ->
 
 def mla_flops_per_token(cfg: ModelConfig, seq_len: int, mode: Mode = "train") -> float:
     """Attention FLOPs of one MLA head for one token: causal over ``seq_len`` tokens (``T / 2`` keys on
-    average), or in ``decode`` absorbed over a cache of ``seq_len``."""
+    average), or with a cache (``decode``, ``prefill``) absorbed over its ``seq_len`` slots."""
     a = cfg.mla
-    if mode == "decode":
+    if mode in ("decode", "prefill"):
         return 2.0 * (2 * a.kv_lora_rank + a.qk_rope_head_dim) * seq_len
     return 2.0 * (a.qk_head_dim + a.v_head_dim) * seq_len / 2
 

@@ -175,6 +175,10 @@ def test_mixing_flops_and_step_flops():
     assert "newton_schulz" not in decode
     assert decode["mla"] == (2 * active["mla"] + 3 * m.mla.num_heads * 2 * (2 * m.mla.kv_lora_rank
                              + m.mla.qk_rope_head_dim) * 1024) * 4
+    # a prefill chunk: the decode step's attention per token, KDA's full chunks
+    prefill = analytic.mixing_flops_per_token(m, 1024, "prefill")
+    assert prefill["mla"] == analytic.mixing_flops_per_token(m, 1024, "decode")["mla"]
+    assert prefill["kda"] == analytic.mixing_flops_per_token(m, 1024, "train")["kda"]
 
 
 @pytest.mark.slow  # importing torch and transformers: ~15 s on 2 busy cores
