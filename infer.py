@@ -1,5 +1,9 @@
 """Generate text with a trained k3jax model: ``python infer.py [--checkpoint PATH] --prompt "..."``.
 
+``--chat "MESSAGE"`` answers a user message instead: the prompt is the checkpoint's chat format
+(``k3jax.data.chat.chat_prompt``, as a chat fine-tune was trained on) and the reply ends at its
+end-of-turn token.
+
 ``--serve`` serves it instead: an OpenAI-compatible HTTP API with continuous batching
 (``k3jax/serving``; ``--host``, ``--port``, ``--max-batch``, ``--max-len``, ...).
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from k3jax import checkpoint, compile_cache, distributed
 from k3jax.config import ConfigError, load_config
+from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
 from k3jax.serving.loading import checkpoint_dir, load_checkpoint_tokenizer, load_model
@@ -80,8 +85,10 @@ class _Printer:
 
 def _check_arguments(ap: argparse.ArgumentParser, args) -> None:
     """Reject generation settings that have no meaning (exit 2, argparse's usage error)."""
-    if args.prompt is None and not args.serve:
-        ap.error("the following arguments are required: --prompt (or --serve)")
+    if args.prompt is None and args.chat is None and not args.serve:
+        ap.error("the following arguments are required: --prompt or --chat (or --serve)")
+    if args.prompt is not None and args.chat is not None:
+        ap.error("--prompt continues text and --chat answers a message: give one of them")
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:  # also NaN
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lora", metavar="DIR", help="LoRA adapters for the model: a LoRA run (or its checkpoint "
                     "directory) or a PEFT adapter directory; merged into the weights before decoding")
     ap.add_argument("--prompt", help="the text to continue (required unless --serve)")
+    ap.add_argument("--chat", metavar="MESSAGE", help="a user message to answer: rendered with the checkpoint's "
+                    "chat format (the plain transcript for the byte tokenizer), generation stops at the end of the turn")
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image shown before the prompt (repeatable; needs a vision model)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
@@ -165,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: cannot read image: {e}") from None
         images = pack_images([processed], cfg.model.vision.merge_size)
+    elif args.chat is not None:
+        prompt = chat_prompt(tokenizer, [{"role": "user", "content": args.chat}])
     else:
         prompt = tokenizer.encode(args.prompt)
     if not prompt:
@@ -175,9 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     if room <= 0:
         raise SystemExit(f"the prompt has {len(prompt)} tokens; the model's context is {cfg.model.max_seq_len}")
     max_new = min(args.max_new_tokens, room)
-    stops = tuple(getattr(tokenizer, "stop_ids", ())) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+    if args.chat is not None:
+        stops = reply_stop_ids(tokenizer)
+        shown = f"user: {args.chat}\nassistant:"
+    else:
+        stops = tuple(getattr(tokenizer, "stop_ids", ())) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+        shown = args.prompt
     if distributed.is_main_process():
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(shown)
         sys.stdout.flush()
     with use_mesh(mesh):
         jax.block_until_ready(generate(model, np.asarray([prompt], np.int32), max_new, temperature=args.temperature,

@@ -239,6 +239,16 @@ def _end_of_turn_ids(tokenizer) -> set[int]:
     return stops
 
 
+def reply_stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end an assistant reply to a :func:`chat_prompt`: the chat format's end-of-turn tokens
+    (``tokenizer.stop_ids`` and EOS), or the transcript's :data:`END_OF_TURN` (one byte for the byte
+    tokenizer) — what a chat fine-tune trains the model to emit."""
+    if has_chat_format(tokenizer):
+        return tuple(sorted(_end_of_turn_ids(tokenizer)))
+    ids = tokenizer.encode(END_OF_TURN)
+    return tuple(ids) if len(ids) == 1 else tuple(sorted(_end_of_turn_ids(tokenizer)))
+
+
 def _template_turns(tokenizer, conv: Conversation) -> tuple[list[int], np.ndarray]:
     """Ids of a conversation rendered by the tokenizer's chat format, and each token's assistant turn."""
     messages, tools = list(conv.messages), list(conv.tools) if conv.tools else None
@@ -413,5 +423,5 @@ def scan_conversations(conversations, to_pieces: ConversationToPieces,
 
 __all__ = ["END_OF_TURN", "GENERATION_PROMPT", "NOT_TRAINED", "OUTCOMES", "ROLES", "ChatCounts", "Conversation",
            "ConversationToPieces", "Conversations", "chat_prompt", "conversation_example", "has_chat_format",
-           "open_conversations", "parse_conversation", "render_conversation", "scan_conversations",
+           "open_conversations", "parse_conversation", "render_conversation", "reply_stop_ids", "scan_conversations",
            "tool_call_arguments", "trained_tokens", "transcript_segments"]
