@@ -4,7 +4,9 @@ With no arguments this is the CPU demo: the ``tiny`` K3 (every K3 mechanism at t
 on the bundled King James Bible slice with a byte-level tokenizer, checkpointed under
 ``runs/default``, then sampled. Re-running resumes from the latest checkpoint of the same run
 directory (``run_dir=...``, an alias of ``train.out_dir=...``; pass ``--fresh`` to start over).
-Ctrl-C finishes the current step, saves a checkpoint and exits; the same command resumes.
+Ctrl-C or SIGTERM (a preempted spot VM, a Kubernetes eviction) finishes the current step, saves a
+checkpoint and exits; the same command resumes. ``run_dir`` and ``train.data.source`` may be URLs
+(``gs://bucket/run``; ``k3jax/storage.py``).
 The training loop itself is ``k3jax.trainer.train``; this file is its command line.
 
 The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
@@ -12,7 +14,10 @@ and, at the end, ``loss.png`` (``k3jax/run_log.py``); ``train.lock`` keeps a sec
 
 Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
 ``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
-130 stopped by Ctrl-C after saving.
+3 stopped by a fault while training, the previous checkpoint intact (a checkpoint save that failed, a bad
+data record under ``train.data.bad_records=stop``, ``train.max_nonfinite_steps`` skipped updates in a
+row), 130 stopped by Ctrl-C after saving, 143 stopped by SIGTERM after saving (128 + 15, what a
+terminated process reports; a job controller that restarts failed pods reruns the command, which resumes).
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ import jax
 
 from k3jax import checkpoint, compile_cache, distributed
 from k3jax.config import ConfigError, load_config
+from k3jax.data.sources import BadRecordError
 from k3jax.run_lock import RunLockedError
 from k3jax.sharding import make_mesh
-from k3jax.trainer import ScheduleChangeError, train
+from k3jax.trainer import DivergenceError, ScheduleChangeError, train
 
 EXIT_FAILED = 1  # the run could not start or resume (locked directory, checkpoint, schedule)
 EXIT_USAGE = 2  # bad arguments or config (argparse's code)
+EXIT_FAULT = 3  # stopped while training: a failed save, a bad record, a diverged run (checkpoint intact)
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
+EXIT_PREEMPTED = 143  # the shell's code for "stopped by SIGTERM": a preempted or evicted run, saved
+EXIT_SIGNAL = {"SIGINT": EXIT_INTERRUPTED, "SIGTERM": EXIT_PREEMPTED}
 
 
 def _expand_aliases(overrides: list[str]) -> list[str]:
@@ -77,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except (checkpoint.CheckpointError, RunLockedError, ScheduleChangeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_INTERRUPTED if result["interrupted"] else 0
+    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    return EXIT_SIGNAL[result["interrupted"]] if result["interrupted"] else 0
 
 
 if __name__ == "__main__":

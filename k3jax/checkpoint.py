@@ -6,9 +6,14 @@ state of the model (parameters and router-bias state), ``optimizer`` the optimiz
 included), ``data`` the grain iterator's position. Any of these directories restores into a model
 with :func:`restore_model`; the config travels with the weights, so nothing else is needed.
 
-Saves are atomic: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete, so a
-run killed mid-save leaves the previous step as the latest. A checkpoint that fails to read raises
-:class:`CheckpointError` naming it; nothing is deleted or overwritten.
+Saves are atomic: on a local disk orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it when
+complete; on an object store (``gs://``, which has no renames) it writes ``<step>/`` and marks it complete
+with ``commit_success.txt`` last, and a step without it is not listed. Either way a run killed or failing
+mid-save leaves the previous step as the latest. A save that fails raises :class:`CheckpointSaveError`
+naming the step and the reason; one that fails to read raises :class:`CheckpointError` naming it; nothing
+is deleted or overwritten.
+
+Directories are local paths or URLs (``gs://bucket/run/checkpoints``; ``k3jax.storage``).
 
 Meshes: arrays are saved shard by shard (every process writes its own shards; multi-host runs need a
 directory all hosts share) and restored into whatever sharding the target asks for, so a run saved on
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from k3jax import storage
 from k3jax.config import Config, TrainConfig, from_dict, runtime_fields, to_dict, without_runtime_fields
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import K3Model, abstract_model
@@ -44,11 +50,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored (corrupt, partial or from an incompatible run)."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (disk full, permissions, network): the step it was, the
+    reason, and that the previous checkpoint is untouched."""
+
+
+def directory_of(directory):
+    """What orbax is given for a checkpoint directory: an absolute local path, or the URL's epath."""
+    p = storage.path(directory)
+    return p if storage.is_remote(directory) else p.absolute()
+
+
 def manager(directory: str | pathlib.Path, *, max_to_keep: int | None = None, save_interval_steps: int = 1,
             async_save: bool = True, item_names=("config", "model")) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
                                            enable_async_checkpointing=async_save, create=True)
-    return ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=options, item_names=item_names)
+    return ocp.CheckpointManager(directory_of(directory), options=options, item_names=item_names)
 
 
 def save_model(directory: str | pathlib.Path, model: K3Model, config: Config, *, step: int = 0) -> None:
@@ -126,7 +143,7 @@ def restore_adapters(model: K3Model, path: str | pathlib.Path, *, step: int | No
 
     if is_peft_dir(path):
         return load_peft(model, path)
-    src = pathlib.Path(path)
+    src = storage.path(path)
     directory = src / "checkpoints" if (src / "checkpoints").is_dir() else src
     saved, step = restore_config(directory, step=step)
     if not saved.train.lora.enabled:
@@ -152,16 +169,16 @@ def resolve_base(source: str | None, seed: int) -> dict:
     "seed"}`` (the run's own random initialisation)."""
     if source is None:
         return {"kind": "seed", "seed": seed}
-    src = pathlib.Path(source)
+    src = storage.path(source)
     if not src.exists():
         raise FileNotFoundError(f"train.init_from={source} does not exist")
     if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
-        return {"kind": "hf", "path": str(src.absolute())}
+        return {"kind": "hf", "path": str(directory_of(src))}
     ckpt = src / "checkpoints" if (src / "checkpoints").is_dir() else src
     step = latest_step(ckpt)
     if step is None:
         raise FileNotFoundError(f"train.init_from={source}: no checkpoint in {ckpt}")
-    return {"kind": "orbax", "path": str(ckpt.absolute()), "step": step}
+    return {"kind": "orbax", "path": str(directory_of(ckpt)), "step": step}
 
 
 def load_base(model: K3Model, base: dict, mesh=None) -> None:
@@ -230,8 +247,9 @@ def restore_base(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter) -> int | None:
-    """Restore the latest checkpoint of ``mngr`` into ``train_state`` (in place) and ``data_iter``;
-    returns its step, or None when there is none.
+    """Restore the latest checkpoint of ``mngr`` into ``train_state`` (in place) and ``data_iter`` (None:
+    leave the data position alone, as a rollback past bad batches does); returns its step, or None when
+    there is none.
 
     Raises :class:`CheckpointError` if the checkpoint was written by a run whose config differs in
     anything but its runtime fields (:data:`RESUMABLE_TRAIN_FIELDS`, ``mesh``, and the model's
@@ -253,11 +271,12 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
     if mismatch:
         raise CheckpointError(f"checkpoint {where} was written by a different run: {mismatch}. Resume with the "
                               f"same config, or start over with --fresh or another run_dir.")
+    items = dict(model=ocp.args.StandardRestore(_saved_model_state(config, train_state.model)),
+                 optimizer=ocp.args.StandardRestore(nnx.state(train_state.optimizer)))
+    if data_iter is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
-        restored = mngr.restore(step, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(_saved_model_state(config, train_state.model)),
-            optimizer=ocp.args.StandardRestore(nnx.state(train_state.optimizer)),
-            data=grain.checkpoint.CheckpointRestore(data_iter)))
+        restored = mngr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {where} is corrupt or incomplete ({_summary(e)}). {hint}") from e
     nnx.update(train_state.model, restored["model"])
@@ -305,6 +324,6 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
     return "; ".join(out)
 
 
-__all__ = ["CheckpointError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "load_base",
+__all__ = ["CheckpointError", "CheckpointSaveError", "directory_of", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "load_base",
            "manager", "resolve_base", "restore_adapters", "restore_base", "restore_config", "restore_model", "restore_train_state",
            "save_model", "save_train_state", "train_items"]

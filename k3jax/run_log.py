@@ -5,13 +5,19 @@
 evaluation (``step``, ``eval_loss``). A resumed run appends after dropping the records of steps past
 the one it resumed from (logged after the last checkpoint of a killed run, or by a continuation that
 was rolled back by deleting its checkpoints); TensorBoard hides its events of those steps.
+
+The run directory may be a URL (``gs://bucket/run``, ``k3jax.storage``): an object store has no appends, so
+there ``metrics.jsonl`` and the event files are rewritten whole at each flush (every logged record).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 from typing import Any
+
+from k3jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -26,15 +32,16 @@ class RunLog:
         """``step``: the step the run starts from; records of later steps are dropped (their number is
         ``rolled_back``) and ``loss.png``, if there is one, is redrawn from what remains.
         ``enabled=False``: write nothing (every process but the first of a multi-host run)."""
-        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir = storage.path(run_dir)
         self.rolled_back = _drop_records_after(self.run_dir, step) if enabled else 0
         if self.rolled_back and (self.run_dir / LOSS_PLOT).exists():
             plot_losses(self.run_dir)
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a") if enabled else None
+        self._jsonl = storage.open_for_append(self.run_dir / METRICS_FILE) if enabled else None
         self._tb = None
         if tensorboard and enabled:
             from tensorboardX import SummaryWriter  # local: a heavy import only the trainer needs
 
+            storage.register_tensorboard(self.run_dir)
             # purge_step: TensorBoard hides the events of steps >= it written before this writer
             self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR),
                                      purge_step=step + 1 if self.rolled_back else None)
@@ -50,24 +57,32 @@ class RunLog:
                 self._tb.add_scalar(name, value, step)
             self._tb.flush()
 
+    def roll_back(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (a run that went back to its checkpoint ``step``)."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        _drop_records_after(self.run_dir, step)
+        self._jsonl = storage.open_for_append(self.run_dir / METRICS_FILE)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        self._jsonl = self._tb = None
 
 
-def _drop_records_after(run_dir: pathlib.Path, step: int) -> int:
+def _drop_records_after(run_dir, step: int) -> int:
     """Rewrite ``metrics.jsonl`` without the records of steps after ``step``; returns how many."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in storage.read_text(path).splitlines() if line.strip()]
     kept = [line for line in lines if json.loads(line)["step"] <= step]
     if len(kept) < len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)  # atomic: a crash leaves the old or the new file, never half of one
+        # atomic: a crash leaves the old or the new file, never half of one
+        storage.write_text(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 
@@ -84,8 +99,8 @@ def _scalars(record: dict[str, Any], prefix: str = ""):
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``, one per (step, kind), the latest kept, sorted by step."""
     latest: dict[tuple[int, bool], dict] = {}
-    path = pathlib.Path(run_dir) / METRICS_FILE
-    for line in path.read_text().splitlines() if path.exists() else ():
+    path = storage.path(run_dir) / METRICS_FILE
+    for line in storage.read_text(path).splitlines() if path.exists() else ():
         rec = json.loads(line)
         latest[(rec["step"], "eval_loss" in rec)] = rec
     return [latest[k] for k in sorted(latest)]
@@ -110,12 +125,14 @@ def plot_losses(run_dir: str | pathlib.Path) -> pathlib.Path | None:
         ax.plot(*zip(*evals), "o", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
-    ax.set_title(pathlib.Path(run_dir).name)
+    ax.set_title(storage.path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()
-    out = pathlib.Path(run_dir) / LOSS_PLOT
-    fig.savefig(out, bbox_inches="tight")
+    out = storage.path(run_dir) / LOSS_PLOT
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight")
     plt.close(fig)
+    storage.write_bytes(out, png.getvalue())
     return out
 
 

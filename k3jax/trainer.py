@@ -7,15 +7,27 @@ the run is going, ``k3jax/run_lock.py``), ``config.yaml``, ``checkpoints/`` (``k
 Resuming: the latest checkpoint of the run directory is restored (model, optimizer, data position);
 metrics logged past it by an abandoned continuation are dropped; a ``train.steps`` that would move
 the learning rate at the resumed step is refused unless ``reschedule=True``
-(:func:`check_schedule`).
+(:func:`check_schedule`). The run directory may be a URL (``gs://bucket/run``; ``k3jax/storage.py``).
+
+Faults (docs/design.md, "Running as a pod job"):
+
+- SIGINT (Ctrl-C) or SIGTERM (a preempted spot VM, a Kubernetes eviction): the step in flight finishes,
+  every process agrees on that step (an all-gather of the flag at each step boundary), saves it and
+  returns ``interrupted`` with the signal's name; the same command resumes.
+- A checkpoint save that fails (disk full, permissions, network): :class:`~k3jax.checkpoint.CheckpointSaveError`
+  naming the step and the reason; the previous checkpoint is intact and a partial step is never listed.
+- ``train.max_nonfinite_steps`` consecutive updates skipped by the NaN guard: :class:`DivergenceError`
+  naming the steps (``train.on_nonfinite=stop``), or the weights and optimizer go back to the latest
+  checkpoint and training continues with the batches after the bad ones (``rollback``; once per
+  checkpoint).
+- Bad data records: ``train.data.bad_records`` (``k3jax/data/sources.py``); skipped ones are counted in
+  ``metrics.jsonl`` (``skipped_records``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import pathlib
-import shutil
 import signal
 import threading
 import time
@@ -26,7 +38,7 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3jax import checkpoint, distributed
+from k3jax import checkpoint, distributed, storage
 from k3jax.config import Config, to_dict
 from k3jax.data.images import make_dataset
 from k3jax.data.pipeline import batch_summary
@@ -49,28 +61,41 @@ class ScheduleChangeError(RuntimeError):
     """Resuming with another ``train.steps`` would make the learning rate jump."""
 
 
+class DivergenceError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient (``train.max_nonfinite_steps``)."""
+
+
+# The signals that stop a run at the next step boundary with a checkpoint: Ctrl-C, and what a preempted
+# Cloud TPU spot VM or a Kubernetes eviction sends (about 30 s before SIGKILL).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _StopRequest(contextlib.AbstractContextManager):
-    """Turns the first Ctrl-C into a request honoured between steps (so the state is never caught
-    half-donated); a second Ctrl-C interrupts at once."""
+    """Turns the first SIGINT / SIGTERM into a request honoured between steps (so the state is never
+    caught half-donated); a second one interrupts at once."""
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.signal: str | None = None  # "SIGINT" / "SIGTERM" once requested
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+        self.signal = signal.Signals(signum).name
+        tqdm.write(f"{self.signal}: finishing this step, then saving a checkpoint (send it again to abort)")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def _agreed(flag: bool) -> bool:
@@ -147,13 +172,15 @@ def _abstract_on(cfg: Config, mesh) -> TrainState:
     return nnx.merge(graphdef, abstract_with_shardings(abstract, state_shardings(abstract, mesh)))
 
 
-def _clear_run_dir(out: pathlib.Path) -> None:
+def _clear_run_dir(out) -> None:
     """Delete the run directory's contents but the lock file (its holder is this process)."""
+    if not out.exists():
+        return
     for child in out.iterdir():
         if child.name == LOCK_FILE:
             continue
         if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
+            storage.rmtree(child)
         else:
             child.unlink()
 
@@ -161,8 +188,8 @@ def _clear_run_dir(out: pathlib.Path) -> None:
 def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_tokens: int = 200) -> dict:
     """Train (or resume) ``cfg`` on the mesh ``cfg.mesh`` over all devices of all processes; returns
     the last logged ``loss``, ``eval_loss`` (NaN without a held-out split), ``sample`` and
-    ``interrupted`` (True when stopped by Ctrl-C after saving). Process 0 logs and samples; every
-    process steps and saves its shards.
+    ``interrupted`` (the name of the signal, ``"SIGINT"`` or ``"SIGTERM"``, when stopped by one after
+    saving; else None). Process 0 logs and samples; every process steps and saves its shards.
 
     ``fresh``: delete the run directory's contents first instead of resuming. ``reschedule``: accept a
     learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
@@ -170,10 +197,11 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
     Raises :class:`~k3jax.config.ConfigError` for an invalid config (one built in code, which
     ``load_config`` did not check), :class:`~k3jax.run_lock.RunLockedError` if another process is training in the run
     directory, :class:`~k3jax.checkpoint.CheckpointError` if its checkpoint cannot be resumed,
-    :class:`ScheduleChangeError`.
+    :class:`ScheduleChangeError`; while training :class:`~k3jax.checkpoint.CheckpointSaveError`,
+    :class:`DivergenceError`, :class:`~k3jax.data.sources.BadRecordError`.
     """
     cfg.validate()  # load_config validated it; a Config built or replaced in code may not be
-    out = pathlib.Path(cfg.train.out_dir)
+    out = storage.path(cfg.train.out_dir)
     main_process = distributed.is_main_process()
     with contextlib.ExitStack() as lock:
         refused = None
@@ -190,7 +218,7 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("k3jax.train: run directory ready")
-        out.mkdir(parents=True, exist_ok=True)
+        storage.mkdir(out)
         mesh = make_mesh(cfg.mesh)
         with use_mesh(mesh):
             return _train(cfg, mesh, out, reschedule, sample_tokens)
@@ -211,7 +239,80 @@ def _compile_together(step_fn, state, batches):
     return compiled, itertools.chain([first], batches)
 
 
-def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens: int) -> dict:
+def _placed(state, mesh):
+    """A train state ready to step: what a checkpoint does not hold (the count of updates skipped by the
+    NaN guard) restarts at zero, and on a one-device mesh everything is placed on it."""
+    state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+                         if isinstance(x, jax.ShapeDtypeStruct) else x, state)
+    if mesh.size == 1:
+        # The batches are placed on the (one-device) mesh, and so are the step's outputs: the state
+        # starts there too, or the second step would compile the train step again for the new types.
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return state
+
+
+def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_to: set[int]):
+    """``train.max_nonfinite_steps`` consecutive skipped updates: raise :class:`DivergenceError`
+    (``train.on_nonfinite=stop``, or a rollback to a checkpoint already rolled back to), or return the
+    state of the latest checkpoint (model and optimizer; the data goes on past the bad batches) and its
+    step."""
+    tc = cfg.train
+    latest = mngr.latest_step()
+    what = (f"steps {nonfinite[0]}-{nonfinite[-1]}: {len(nonfinite)} consecutive updates skipped for a non-finite "
+            f"loss or gradient (train.max_nonfinite_steps={tc.max_nonfinite_steps})")
+    if tc.on_nonfinite == "stop" or latest is None or latest in rolled_back_to:
+        why = ("" if tc.on_nonfinite == "stop" else
+               "; no checkpoint to roll back to" if latest is None else
+               f"; the run already rolled back to checkpoint {latest} once")
+        kept = f" The latest checkpoint is step {latest}." if latest is not None else ""
+        raise DivergenceError(f"{what}{why}.{kept} Lower the learning rate or check the data "
+                              f"(train.on_nonfinite=rollback retries from the last checkpoint).")
+    rolled_back_to.add(latest)
+    ts = _abstract_on(cfg, mesh)
+    checkpoint.restore_train_state(mngr, cfg, ts, None)
+    if tc.lora.enabled:
+        checkpoint.load_base(ts.model, base, mesh)
+    tqdm.write(f"{what}: rolled back to checkpoint {latest}; training goes on with the batches after step "
+               f"{nonfinite[-1]}")
+    return _placed(nnx.split(ts)[1], mesh), latest
+
+
+class _Saver:
+    """Saves of the training state through one checkpoint manager; a failed save (raised by orbax when
+    it is made, or, asynchronous, when the next one starts or the run waits for it) becomes a
+    :class:`~k3jax.checkpoint.CheckpointSaveError` naming the step and the reason."""
+
+    def __init__(self, mngr, cfg: Config, graphdef, data_iter, base):
+        self.mngr, self.cfg, self.graphdef, self.data_iter, self.base = mngr, cfg, graphdef, data_iter, base
+        self.pending: int | None = None  # the step of the save that may still be in flight
+
+    def save(self, step: int, state) -> None:
+        try:
+            checkpoint.save_train_state(self.mngr, step, self.cfg, nnx.merge(self.graphdef, state), self.data_iter,
+                                        base=self.base)
+        except Exception as e:  # noqa: BLE001 - any write failure stops the run the same way
+            raise self._failed(self.pending if self.pending is not None else step, e) from e
+        self.pending = step
+
+    def wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(self.pending, e) from e
+        self.pending = None
+
+    def _failed(self, step, error: Exception) -> checkpoint.CheckpointSaveError:
+        with contextlib.suppress(Exception):
+            self.mngr.reload()
+        complete = [s for s in self.mngr.all_steps() if s != step]
+        kept = (f"the latest complete checkpoint, step {max(complete)}, is intact and the same command resumes "
+                f"from it" if complete else "no earlier checkpoint exists")
+        return checkpoint.CheckpointSaveError(
+            f"saving checkpoint {self.mngr.directory}/{step} failed ({checkpoint._summary(error)}); {kept}. "
+            f"Free space or fix the checkpoint directory's permissions, then run the same command.")
+
+
+def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict:
     tc = cfg.train
     main_process = distributed.is_main_process()
 
@@ -219,8 +320,10 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tc.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}")
-    train_iter = iter(make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
-                                   process_count=jax.process_count()))
+    dataset = make_dataset(cfg, tokenizer, split="train", process_index=jax.process_index(),
+                           process_count=jax.process_count())
+    train_iter = iter(dataset)
+    skipped_records = getattr(dataset, "bad_records", None)  # train.data.bad_records=skip: counts the skipped
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
                               item_names=checkpoint.train_items(cfg))
     base = None  # a LoRA run: where its frozen weights come from (checkpoint.resolve_base)
@@ -242,15 +345,9 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
         elif tc.lora.enabled:
             base = checkpoint.resolve_base(None, tc.seed)
     if main_process:
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
-    # What a checkpoint does not hold (the count of updates skipped by the NaN guard) restarts at zero.
-    state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
-                         if isinstance(x, jax.ShapeDtypeStruct) else x, state)
-    if mesh.size == 1:
-        # The batches are placed on the (one-device) mesh, and so are the step's outputs: the state
-        # starts there too, or the second step would compile the train step again for the new types.
-        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    state = _placed(state, mesh)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     # no held-out split (train.data.eval_fraction = 0): no eval, and no eval step to compile
@@ -278,40 +375,68 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
     batches = (shard_batch(counted(b), mesh) for b in train_iter)
     if jax.process_count() > 1 and step < tc.steps:
         step_fn, batches = _compile_together(step_fn, state, batches)
-    with _StopRequest() as stop:
-        while step < tc.steps and not _agreed(stop.requested):
-            state, metrics = step_fn(state, next(batches))
-            step += 1
-            bar.update(1)
-            tokens_seen += float(metrics["tokens"])
-            if not bool(metrics["finite"]):
-                tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
-            if step % tc.log_every == 0 or step == tc.steps:
-                dt = time.perf_counter() - t0
-                imbalance = np.asarray(metrics["expert_imbalance"])
-                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
-                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
-                          "trained_fraction": window["trained_tokens"] / max(window["tokens"], 1),
-                          "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
-                log.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{record['tokens_per_s']:.0f}",
-                                imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
-                t0, tokens_seen = time.perf_counter(), 0.0
-                window.update(tokens=0, trained_tokens=0)
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
-            if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
-                checkpoint.save_train_state(mngr, step, cfg, nnx.merge(graphdef, state), train_iter, base=base)
-                saved_step = step
+    saver = _Saver(mngr, cfg, graphdef, train_iter, base)
+    nonfinite: list[int] = []  # the current run of consecutive skipped steps
+    rolled_back_to: set[int] = set()  # the checkpoints a rollback went back to (once each)
+    skips_logged = 0
+    try:
+        with _StopRequest() as stop:
+            while step < tc.steps and not _agreed(stop.requested):
+                state, metrics = step_fn(state, next(batches))
+                step += 1
+                bar.update(1)
+                tokens_seen += float(metrics["tokens"])
+                if bool(metrics["finite"]):
+                    nonfinite.clear()
+                else:
+                    nonfinite.append(step)
+                    tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
+                    if tc.max_nonfinite_steps and len(nonfinite) >= tc.max_nonfinite_steps:
+                        saver.wait()
+                        state, step = _roll_back(cfg, mesh, mngr, base, nonfinite, rolled_back_to)
+                        log.roll_back(step)
+                        nonfinite.clear()
+                        bar.n = step
+                        bar.refresh()
+                        continue
+                if step % tc.log_every == 0 or step == tc.steps:
+                    dt = time.perf_counter() - t0
+                    imbalance = np.asarray(metrics["expert_imbalance"])
+                    record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                              "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
+                              "trained_fraction": window["trained_tokens"] / max(window["tokens"], 1),
+                              "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
+                    if skipped_records is not None:  # this process's records skipped since the last log
+                        record["skipped_records"] = skipped_records.count - skips_logged
+                        skips_logged = skipped_records.count
+                    log.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}",
+                                    imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
+                    t0, tokens_seen = time.perf_counter(), 0.0
+                    window.update(tokens=0, trained_tokens=0)
+                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                    log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
+                if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
+                    saver.save(step, state)
+                    saved_step = step
+            saver.wait()
+    except BaseException:
+        # a failed save, a divergence, a bad record, a second signal: what was saved stays, nothing waits
+        # on a save that failed
+        bar.close()
+        log.close()
+        with contextlib.suppress(Exception):
+            mngr.close()
+        raise
     bar.close()
-    mngr.wait_until_finished()
     mngr.close()
     if step < tc.steps:
         log.close()
-        _print_main(f"stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
+        _print_main(f"{stop.signal}: stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
                     f"Run the same command to resume.")
-        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": True}
+        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "",
+                "interrupted": stop.signal}
 
     if eval_fn is not None:
         eval_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
@@ -333,7 +458,7 @@ def _train(cfg: Config, mesh, out: pathlib.Path, reschedule: bool, sample_tokens
         sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
         _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{sample}\n")
     return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
-            "interrupted": False}
+            "interrupted": None}
 
 
-__all__ = ["ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "train"]
+__all__ = ["DivergenceError", "STOP_SIGNALS", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "train"]

@@ -65,6 +65,10 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None  # None: repeat forever
     eval_fraction: float = 0.01  # held-out documents for the eval loss; 0: none, and no eval
+    # a record that cannot be read (invalid JSON or UTF-8, a field of the wrong type, an empty document, an
+    # invalid conversation, a file gone mid-run): stop naming the file and record, or skip it and count it
+    # (metrics.jsonl's skipped_records; k3jax/data/sources.py). Runtime: a run stopped by one resumes with skip
+    bad_records: Literal["stop", "skip"] = runtime("stop")
 
     def validate(self, prefix: str = "train.data") -> None:
         check(0 <= self.eval_fraction < 1, f"{prefix}.eval_fraction", "must be in [0, 1)")
@@ -152,6 +156,10 @@ class TrainConfig:
     # directory's) latest checkpoint, e.g. MXFP4 QAT of an unquantized run; ignored when resuming.
     init_from: str | None = None
     z_loss: float = 0.0
+    # NaN guard: after this many consecutive updates skipped for a non-finite loss or gradient (0: no
+    # bound), stop, or go back to the latest checkpoint and go on with the next batches (once per checkpoint)
+    max_nonfinite_steps: int = runtime(20)
+    on_nonfinite: Literal["stop", "rollback"] = runtime("stop")
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     # LoRA fine-tuning (rank > 0): only the adapters train (AdamW); the model's weights, from init_from
@@ -165,6 +173,7 @@ class TrainConfig:
         check(self.batch_size % self.grad_accum == 0, f"{prefix}.grad_accum",
                f"must divide batch_size={self.batch_size}")
         check(self.eval_every >= 0, f"{prefix}.eval_every", "must be >= 0 (0: only at the end)")
+        check(self.max_nonfinite_steps >= 0, f"{prefix}.max_nonfinite_steps", "must be >= 0 (0: no bound)")
         check(not (self.eval_every and self.data.eval_fraction == 0), f"{prefix}.eval_every",
               "needs a held-out split: train.data.eval_fraction is 0")
         self.optim.validate(f"{prefix}.optim")

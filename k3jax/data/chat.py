@@ -396,24 +396,35 @@ class ChatCounts:
     truncated: int = 0
     dropped: int = 0
     skipped: int = 0
+    bad: int = 0  # invalid records skipped (train.data.bad_records=skip)
     tokens: int = 0  # (input, target) pairs of the kept and truncated examples
     trained: int = 0  # of which trained
 
     def summary(self) -> str:
         frac = self.trained / max(self.tokens, 1)
         return (f"{self.conversations} conversations: {self.kept} kept, {self.truncated} truncated, "
-                f"{self.dropped} dropped (longer than seq_len), {self.skipped} skipped (no trained token); "
-                f"{self.trained} of {self.tokens} tokens trained ({frac:.1%})")
+                f"{self.dropped} dropped (longer than seq_len), {self.skipped} skipped (no trained token)"
+                + (f", {self.bad} invalid skipped (train.data.bad_records=skip)" if self.bad else "")
+                + f"; {self.trained} of {self.tokens} tokens trained ({frac:.1%})")
 
 
 def scan_conversations(conversations, to_pieces: ConversationToPieces,
                        indices: Sequence[int] | None = None) -> ChatCounts:
     """Render every conversation (of ``indices``) once and count the outcomes. Reading validates every
-    record, so a malformed one stops the run at its start; one record is held at a time."""
+    record, so a malformed one stops the run at its start; one record is held at a time. ``conversations``
+    may be a ``k3jax.data.sources.GuardedRecords`` skipping bad records (read as None, or rejected when
+    they fail to render): those are counted as ``bad``."""
     counts = ChatCounts()
     for i in range(len(conversations)) if indices is None else indices:
-        example, outcome = to_pieces.example(conversations[int(i)])
+        conv = conversations[int(i)]
         counts.conversations += 1
+        try:
+            example, outcome = (None, "bad") if conv is None else to_pieces.example(conv)
+        except ValueError as e:
+            if not hasattr(conversations, "reject"):
+                raise
+            conversations.reject(int(i), e)  # raises under bad_records=stop
+            example, outcome = None, "bad"
         setattr(counts, outcome, getattr(counts, outcome) + 1)
         if example is not None:
             counts.tokens += len(example["targets"])

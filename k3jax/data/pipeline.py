@@ -42,6 +42,11 @@ documents rather than consecutive pieces of one) -> first-fit packing into ``B``
 (``grain.experimental.FirstFitPackIterDataset``, bins shuffled with the seed) -> batches of ``B``
 rows. The eval split is neither shuffled nor repeated; its last batch is padded with empty rows.
 
+Bad records (``train.data.bad_records``, ``k3jax.data.sources.GuardedRecords``): reading a document or
+conversation, and making its pieces, happen under the policy: ``stop`` raises
+``k3jax.data.sources.BadRecordError`` naming the file and record; ``skip`` drops the record and counts it
+in the train dataset's ``bad_records`` (a ``SkippedRecords``), which the trainer logs.
+
 The iterator is checkpointable: ``it.get_state()`` / ``it.set_state(state)`` (or
 ``grain.checkpoint.CheckpointSave(it)`` with orbax) resumes at exactly the next batch.
 """
@@ -55,7 +60,7 @@ import numpy as np
 
 from k3jax.config import TrainConfig
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
-from k3jax.data.sources import open_documents
+from k3jax.data.sources import GuardedRecords, SkippedRecords, open_documents
 from k3jax.data.tokenizers import TextTokenizer, load_tokenizer
 
 # Window shuffle of pieces: at most this many pieces and about this many tokens held in memory.
@@ -132,6 +137,41 @@ class DocumentToPieces(grain.experimental.FlatMapTransform):
                  "loss_mask": np.ones(min(t, len(inputs) - i), np.float32)} for i in range(0, len(inputs), t)]
 
 
+class GuardedPieces(grain.experimental.FlatMapTransform):
+    """A pieces transform under the bad-record policy: a record read as None (skipped) has no pieces, and
+    one whose pieces cannot be made (a conversation the chat format cannot render) is rejected by
+    ``guard`` (raises under ``stop``, counted under ``skip``)."""
+
+    def __init__(self, to_pieces, guard: GuardedRecords):
+        self.to_pieces, self.guard = to_pieces, guard
+        self.max_fan_out = to_pieces.max_fan_out
+
+    def flat_map(self, item):
+        if item is None:
+            return []
+        index, document = item
+        try:
+            return self.to_pieces.flat_map(document)
+        except ValueError as e:
+            self.guard.reject(index, e)
+            return []
+
+
+class _Indexed:
+    """``(index, source[index])`` (None when the guarded source skipped it): the pieces stage names the
+    record it rejects."""
+
+    def __init__(self, source: GuardedRecords):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        value = self.source[index]
+        return None if value is None else (index, value)
+
+
 def _finalize(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     seg = row["inputs_segment_ids"].astype(np.int32)
     real = seg > 0
@@ -178,12 +218,13 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     chat = data.format == "chat"
     if documents is None:
         documents = open_conversations(data.source) if chat else open_documents(data.source, data.format,
-                                                                                  data.text_field)
+                                                                                  data.text_field, data.bad_records)
     batch, seq_len, seed = local_batch_size(train_cfg, process_count), train_cfg.seq_len, train_cfg.seed
     to_pieces = (ConversationToPieces(tokenizer, seq_len, data.chat_loss, data.chat_overflow) if chat
                  else DocumentToPieces(tokenizer, seq_len))
-    if chat and split == "train":
-        counts = report_chat_counts(documents, to_pieces, data.eval_fraction, data.source, echo=process_index == 0)
+    if chat and split == "train":  # the scan's own guard: its skips are not the run's
+        counts = report_chat_counts(GuardedRecords(documents, data.bad_records), to_pieces, data.eval_fraction,
+                                    data.source, echo=process_index == 0)
         if counts["train"].trained == 0:  # the repeated split would be read forever for a first batch
             raise ValueError(f"train.data.source={data.source!r}: no conversation of the train split has a trained "
                              f"token ({counts['train'].summary()})")
@@ -192,7 +233,9 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
         raise ValueError(f"the {split} split of train.data.source={data.source!r} is empty "
                          f"({len(documents)} documents, eval_fraction={data.eval_fraction})")
     train = split == "train"
-    ds = grain.MapDataset.source(IndexedDocuments(documents, indices))
+    skipped = SkippedRecords()
+    guard = GuardedRecords(documents, data.bad_records, skipped)
+    ds = grain.MapDataset.source(IndexedDocuments(_Indexed(guard), indices))
     ds = ds[process_index::process_count]
     if len(ds) == 0:
         raise ValueError(f"process {process_index} of {process_count} gets no {split} documents "
@@ -203,7 +246,7 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     if train:
         ds = ds.repeat(data.num_epochs)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_PREFETCH))
-    it = grain.experimental.FlatMapIterDataset(it, to_pieces)
+    it = grain.experimental.FlatMapIterDataset(it, GuardedPieces(to_pieces, guard))
     if shuffle:
         window = max(batch, min(_WINDOW_PIECES, _WINDOW_TOKENS // seq_len))
         it = grain.experimental.WindowShuffleIterDataset(it, window_size=window, seed=seed + 1)
@@ -215,6 +258,7 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
         it = it.batch(batch, drop_remainder=True)
     else:
         it = it.batch(batch, drop_remainder=False, batch_fn=lambda rows: _stack_padded(rows, batch, seq_len))
+    it.bad_records = skipped  # what train.data.bad_records=skip dropped (read by the trainer's metrics)
     return it
 
 
@@ -242,5 +286,5 @@ def batch_summary(batch: dict[str, np.ndarray]) -> dict[str, Any]:
             "pieces_per_row": float(seg.max(axis=1).mean())}
 
 
-__all__ = ["DocumentToPieces", "IndexedDocuments", "batch_summary", "document_hash", "local_batch_size",
+__all__ = ["DocumentToPieces", "GuardedPieces", "IndexedDocuments", "batch_summary", "document_hash", "local_batch_size",
            "make_train_dataset", "report_chat_counts", "split_indices"]

@@ -4,7 +4,9 @@
 
 - ``"bundled"``: the shipped corpus, ``k3jax/data/corpus/kjv.txt`` (King James Bible, Genesis to
   Ruth, public domain; one chapter per document).
-- a file, a directory (every file in it with a known extension, sorted) or a glob pattern.
+- a file, a directory (every file in it with a known extension, sorted) or a glob pattern; local, or a
+  URL of an object store (``gs://bucket/data/*.jsonl``; ``k3jax.storage``): JSONL records are then read
+  by ranged reads, parquet through fsspec, ArrayRecord files from a local cached copy.
 
 Formats, chosen by extension when ``format="auto"``:
 
@@ -22,12 +24,17 @@ Errors name the offending file (and line) and, for a missing field, the fields t
 parquet row, an ArrayRecord record) for the chat format (``k3jax.data.chat``); each record source
 says where record ``i`` is (``where(i)``: file, record number and line) for error messages. The
 bundled chat set is ``k3jax/data/corpus/chat.jsonl``.
+
+Bad records (``train.data.bad_records``, :class:`GuardedRecords`): a record that cannot be decoded
+(invalid JSON or UTF-8), has a field of the wrong type, holds an empty document, is an invalid
+conversation, or cannot be read any more (its file gone mid-run) raises :class:`BadRecordError` naming the
+file and record (``stop``, the default), or is skipped and counted (``skip``: :class:`SkippedRecords`,
+logged as ``skipped_records`` in ``metrics.jsonl``). A source whose every record is bad stops either way.
 """
 
 from __future__ import annotations
 
 import bisect
-import glob
 import importlib.resources
 import json
 import os
@@ -36,6 +43,8 @@ import re
 from typing import Sequence
 
 import numpy as np
+
+from k3jax import storage
 
 FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
 _EXTENSIONS = {
@@ -63,6 +72,10 @@ def split_text_documents(text: str) -> list[str]:
     return [block.strip() for block in _BLANK_LINES.split(text) if block.strip()]
 
 
+class BadRecordError(ValueError):
+    """A record that cannot be trained on; the message names its file and record."""
+
+
 class TextDocuments:
     """Documents held in memory (text files)."""
 
@@ -72,8 +85,10 @@ class TextDocuments:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TextDocuments":
-        path = pathlib.Path(path)
-        return cls(split_text_documents(path.read_text(encoding="utf-8", errors="replace")), str(path))
+        return cls(split_text_documents(storage.read_text(path, errors="replace")), str(path))
+
+    def where(self, index: int) -> str:
+        return f"{self.name}: document {index}"
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -87,24 +102,25 @@ class TextDocuments:
 
 def _field(record, field: str, where: str) -> str:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
+        raise BadRecordError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
     if field not in record:
-        raise ValueError(f"{where}: no field {field!r} (train.data.text_field); fields: {sorted(record)}")
+        raise BadRecordError(f"{where}: no field {field!r} (train.data.text_field); fields: {sorted(record)}")
     value = record[field]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+        raise BadRecordError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
     return value
 
 
 class JsonlRecords:
     """Each non-empty line of a JSON-lines file, parsed, read lazily by byte offset (``os.pread``, safe
-    from grain's reader threads)."""
+    from grain's reader threads; a URL: one ranged read per record)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = pathlib.Path(path)
+    def __init__(self, path: str | os.PathLike, check_first: bool = True):
+        self.path = storage.path(path)
+        self._remote = storage.is_remote(path)
         offsets, lengths, lines = [], [], []
         pos = 0
-        with open(self.path, "rb") as f:
+        with storage.open(self.path, "rb") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     offsets.append(pos)
@@ -116,7 +132,7 @@ class JsonlRecords:
         self._lines = np.asarray(lines, np.int64)
         self._fd = None
         self._pid = None
-        if len(self):
+        if check_first and len(self):
             self[0]  # fail early on a wrong field or a malformed first line
 
     def __len__(self) -> int:
@@ -131,12 +147,23 @@ class JsonlRecords:
         return f"{self.path}: record {index} (line {self._lines[index]})"
 
     def __getitem__(self, index: int):
-        # pread: positional and thread-safe (grain reads the source from several threads)
-        line = os.pread(self._file(), int(self._lengths[index]), int(self._offsets[index]))
+        length, offset = int(self._lengths[index]), int(self._offsets[index])
+        try:
+            # pread: positional and thread-safe (grain reads the source from several threads)
+            line = (storage.read_range(self.path, offset, length) if self._remote
+                    else os.pread(self._file(), length, offset))
+        except OSError as e:
+            raise BadRecordError(f"{self.where(index)}: cannot be read ({type(e).__name__}: {e}); was the file "
+                                 f"removed or replaced during the run?") from e
+        if len(line) != length:
+            raise BadRecordError(f"{self.where(index)}: the file changed during the run (read {len(line)} of "
+                                 f"{length} bytes)")
         try:
             return json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.where(index)}: not valid JSON ({e})") from None
+            raise BadRecordError(f"{self.where(index)}: not valid JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise BadRecordError(f"{self.where(index)}: not valid UTF-8 ({e})") from None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -157,9 +184,9 @@ class JsonlRecords:
 class JsonlDocuments(JsonlRecords):
     """The ``text_field`` of each record of a JSON-lines file."""
 
-    def __init__(self, path: str | os.PathLike, text_field: str = "text"):
+    def __init__(self, path: str | os.PathLike, text_field: str = "text", check_first: bool = True):
         self.text_field = text_field
-        super().__init__(path)
+        super().__init__(path, check_first)
 
     def __getitem__(self, index: int) -> str:
         return _field(super().__getitem__(index), self.text_field, self.where(index))
@@ -176,18 +203,30 @@ class ParquetDocuments:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        self.path = pathlib.Path(path)
-        schema = pq.read_schema(self.path)
-        if text_field not in schema.names:
-            raise ValueError(f"{self.path}: no column {text_field!r} (train.data.text_field); columns: {schema.names}")
-        column = pq.read_table(self.path, columns=[text_field]).column(text_field)
-        self._docs = [("" if v is None else str(v)) for v in column.to_pylist()]
+        self.path = storage.path(path)
+        with storage.open(self.path, "rb") as f:
+            schema = pq.read_schema(f)
+            if text_field not in schema.names:
+                raise ValueError(f"{self.path}: no column {text_field!r} (train.data.text_field); columns: "
+                                 f"{schema.names}")
+            f.seek(0)
+            column = pq.read_table(f, columns=[text_field]).column(text_field)
+        # a null or non-string value stays what it is: a bad record when read
+        self._docs = column.to_pylist()
+        self.text_field = text_field
+
+    def where(self, index: int) -> str:
+        return f"{self.path}: record {index} (row {index})"
 
     def __len__(self) -> int:
         return len(self._docs)
 
     def __getitem__(self, index: int) -> str:
-        return self._docs[index]
+        value = self._docs[index]
+        if not isinstance(value, str):
+            raise BadRecordError(f"{self.where(index)}: column {self.text_field!r} is "
+                                 f"{type(value).__name__}, not a string")
+        return value
 
     def __repr__(self) -> str:
         return f"ParquetDocuments({str(self.path)!r}, {len(self)} documents)"
@@ -202,8 +241,9 @@ class ParquetRecords:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-        self.path = pathlib.Path(path)
-        self._rows = pq.read_table(self.path).to_pylist()
+        self.path = storage.path(path)
+        with storage.open(self.path, "rb") as f:
+            self._rows = pq.read_table(f).to_pylist()
 
     def where(self, index: int) -> str:
         return f"{self.path}: record {index} (row {index})"
@@ -225,7 +265,7 @@ class ArrayRecordRecords:
         import grain
 
         self.paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
-        self._source = grain.sources.ArrayRecordDataSource(self.paths)
+        self._source = grain.sources.ArrayRecordDataSource([str(storage.local_copy(p)) for p in self.paths])
 
     def where(self, index: int) -> str:
         return f"{', '.join(self.paths)}: record {index}"
@@ -238,7 +278,7 @@ class ArrayRecordRecords:
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{self.where(index)}: not a UTF-8 JSON record ({e})") from None
+            raise BadRecordError(f"{self.where(index)}: not a UTF-8 JSON record ({e})") from None
 
     def __repr__(self) -> str:
         return f"ArrayRecordRecords({self.paths!r}, {len(self)} records)"
@@ -247,28 +287,35 @@ class ArrayRecordRecords:
 class ArrayRecordDocuments:
     """Records of ArrayRecord file(s): UTF-8 text, or JSON objects with a ``text_field``."""
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str = "text"):
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str = "text",
+                 check_first: bool = True):
         import grain
 
         paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
         self.paths = paths
         self.text_field = text_field
-        self._source = grain.sources.ArrayRecordDataSource(paths)
-        if len(self):
+        self._source = grain.sources.ArrayRecordDataSource([str(storage.local_copy(p)) for p in paths])
+        if check_first and len(self):
             self[0]
 
     def __len__(self) -> int:
         return len(self._source)
 
+    def where(self, index: int) -> str:
+        return f"{', '.join(self.paths)}: record {index}"
+
     def __getitem__(self, index: int) -> str:
         raw = self._source[index]
-        text = raw.decode("utf-8", errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        except UnicodeDecodeError as e:
+            raise BadRecordError(f"{self.where(index)}: not valid UTF-8 ({e})") from None
         if text.lstrip().startswith("{"):
             try:
                 record = json.loads(text)
             except json.JSONDecodeError:
                 return text
-            return _field(record, self.text_field, f"{self.paths}: record {index}")
+            return _field(record, self.text_field, self.where(index))
         return text
 
     def __repr__(self) -> str:
@@ -306,6 +353,63 @@ class ConcatDocuments:
         return f"ConcatDocuments({len(self.parts)} parts, {len(self)} documents)"
 
 
+class SkippedRecords:
+    """The bad records one process skipped (``train.data.bad_records=skip``): ``count`` and the last one's
+    error."""
+
+    def __init__(self):
+        self.count, self.last = 0, ""
+
+    def add(self, error: Exception) -> None:
+        self.count += 1
+        self.last = str(error)
+
+
+class GuardedRecords:
+    """``source[i]`` under the bad-record policy ``policy`` (``train.data.bad_records``): a record that
+    raises ``ValueError`` / ``OSError`` when read, or is an empty document, raises :class:`BadRecordError`
+    naming its file and record (``stop``) or reads as None and is counted in ``skipped`` (``skip``). Reading
+    as many bad records in a row as the source holds stops either way (nothing would ever be trained)."""
+
+    def __init__(self, source, policy: str, skipped: SkippedRecords | None = None):
+        if policy not in ("stop", "skip"):
+            raise ValueError(f"train.data.bad_records: {policy!r} is not one of stop, skip")
+        self.source, self.policy = source, policy
+        self.skipped = skipped if skipped is not None else SkippedRecords()
+        self._in_a_row = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def where(self, index: int) -> str:
+        where = getattr(self.source, "where", None)
+        return where(index) if where is not None else f"record {index}"
+
+    def __getitem__(self, index: int):
+        try:
+            value = self.source[index]
+            if isinstance(value, str) and not value.strip():
+                raise BadRecordError(f"{self.where(index)}: empty document")
+        except (ValueError, OSError) as e:
+            self.reject(index, e)
+            return None
+        self._in_a_row = 0
+        return value
+
+    def reject(self, index: int, error: Exception) -> None:
+        """Apply the policy to record ``index``, found bad by ``error`` (here or by a later stage)."""
+        where = self.where(index)
+        text = str(error) if str(error).startswith(where.split(":")[0]) else f"{where}: {error}"
+        bad = BadRecordError(text)
+        if self.policy == "stop":
+            raise bad from error
+        self.skipped.add(bad)
+        self._in_a_row += 1
+        if self._in_a_row >= len(self.source):
+            raise BadRecordError(f"every record of the source is bad ({self._in_a_row} in a row; the last: {text})") \
+                from error
+
+
 def detect_format(path: str | os.PathLike) -> str:
     suffix = pathlib.Path(path).suffix.lower()
     if suffix not in _EXTENSIONS:
@@ -314,14 +418,15 @@ def detect_format(path: str | os.PathLike) -> str:
     return _EXTENSIONS[suffix]
 
 
-def _expand(source: str) -> list[pathlib.Path]:
+def _expand(source: str) -> list:
     if any(ch in source for ch in "*?["):
-        paths = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
-        paths = [p for p in paths if p.is_file()]
+        paths = [p for p in storage.glob(source) if p.is_file()]
         if not paths:
             raise FileNotFoundError(f"train.data.source: no file matches {source!r}")
         return paths
-    path = pathlib.Path(source).expanduser()
+    path = storage.path(source)
+    if not storage.is_remote(source):
+        path = path.expanduser()
     if path.is_dir():
         paths = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _EXTENSIONS)
         if not paths:
@@ -334,15 +439,15 @@ def _expand(source: str) -> list[pathlib.Path]:
     return [path]
 
 
-def _open_one(path: pathlib.Path, fmt: str, text_field: str):
+def _open_one(path, fmt: str, text_field: str, check_first: bool):
     if fmt == "text":
         return TextDocuments.from_file(path)
     if fmt == "jsonl":
-        return JsonlDocuments(path, text_field)
+        return JsonlDocuments(path, text_field, check_first)
     if fmt == "parquet":
         return ParquetDocuments(path, text_field)
     if fmt == "arrayrecord":
-        return ArrayRecordDocuments(path, text_field)
+        return ArrayRecordDocuments(path, text_field, check_first)
     raise ValueError(f"train.data.format: unknown format {fmt!r}; one of auto, {', '.join(FORMATS)}")
 
 
@@ -365,8 +470,11 @@ def open_records(source: str):
     return records
 
 
-def open_documents(source: str = "bundled", format: str = "auto", text_field: str = "text"):
-    """A random-access source of document strings (see the module docstring)."""
+def open_documents(source: str = "bundled", format: str = "auto", text_field: str = "text",
+                   bad_records: str = "stop"):
+    """A random-access source of document strings (see the module docstring). ``bad_records="stop"``
+    reads the first record of each file at once (a wrong ``text_field`` fails here); with ``"skip"`` bad
+    records are left to :class:`GuardedRecords`."""
     if format != "auto" and format not in FORMATS:
         raise ValueError(f"train.data.format: unknown format {format!r}; one of auto, {', '.join(FORMATS)}")
     if source == "bundled":
@@ -375,13 +483,15 @@ def open_documents(source: str = "bundled", format: str = "auto", text_field: st
             raise FileNotFoundError(f"the bundled corpus {path} is missing from this installation")
         return TextDocuments.from_file(path)
     paths = _expand(source)
-    parts = [_open_one(p, detect_format(p) if format == "auto" else format, text_field) for p in paths]
+    parts = [_open_one(p, detect_format(p) if format == "auto" else format, text_field, bad_records == "stop")
+             for p in paths]
     docs = parts[0] if len(parts) == 1 else ConcatDocuments(parts)
     if len(docs) == 0:
         raise ValueError(f"train.data.source: {source!r} holds no documents")
     return docs
 
 
-__all__ = ["ArrayRecordDocuments", "ArrayRecordRecords", "ConcatDocuments", "JsonlDocuments", "JsonlRecords",
+__all__ = ["ArrayRecordDocuments", "ArrayRecordRecords", "BadRecordError", "ConcatDocuments", "GuardedRecords",
+           "SkippedRecords", "JsonlDocuments", "JsonlRecords",
            "ParquetDocuments", "ParquetRecords", "TextDocuments", "bundled_chat_path", "bundled_corpus_path",
            "detect_format", "open_documents", "open_records", "split_text_documents"]
