@@ -161,3 +161,69 @@ def put_first_rows(cache: ModelCache, rows: ModelCache) -> ModelCache:
 def cache_bytes(cache: ModelCache) -> int:
     """Memory of a cache in bytes."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def read_block(cache: ModelCache, row, start, size: int) -> ModelCache:
+    """Row ``row``'s slots ``[start, start + size)`` (``row`` / ``start`` traced or not, ``size`` static) and
+    its KDA states as they are now, as a 1-row cache of ``size`` slots (``length = size``, the row's
+    position): a snapshot of the row's prefix ending at slot ``start + size`` (``write_block`` puts it back)."""
+
+    def take(x, batch_axis, slot_axis):
+        x = jax.lax.dynamic_slice_in_dim(x, row, 1, axis=batch_axis)
+        return x if slot_axis is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=slot_axis)
+
+    layers = [type(c)(*(take(x, b, b + 1 if isinstance(c, MLACache) else None) for x in c))
+              for c, b in _layer_caches(cache)]
+    return _rebuild(cache, layers, length=jnp.asarray(size, jnp.int32),
+                    positions=jax.lax.dynamic_slice_in_dim(cache.positions, row, 1),
+                    valid=take(cache.valid, 0, 1))
+
+
+def write_block(cache: ModelCache, row, start, block: ModelCache) -> ModelCache:
+    """``cache`` with ``block`` (a 1-row cache, e.g. from :func:`read_block`) written into row ``row`` at
+    slots ``[start, start + block.max_len)``, the row's KDA states and position replaced by the block's;
+    the row's other slots and ``cache.length`` are unchanged. Writing a prefix's blocks in order rebuilds it."""
+
+    def put(dst, x, batch_axis, slot_axis):
+        index = [0] * dst.ndim
+        index[batch_axis] = row
+        if slot_axis is not None:
+            index[slot_axis] = start
+        return jax.lax.dynamic_update_slice(dst, x.astype(dst.dtype), tuple(jnp.asarray(i, jnp.int32) for i in index))
+
+    layers = [type(c)(*(put(d, x, b, b + 1 if isinstance(c, MLACache) else None) for d, x in zip(c, s)))
+              for (c, b), (s, _) in zip(_layer_caches(cache), _layer_caches(block))]
+    return _rebuild(cache, layers, positions=put(cache.positions, block.positions, 0, None),
+                    valid=put(cache.valid, block.valid, 0, 1))
+
+
+def keep_rows(new: ModelCache, old: ModelCache, keep: jax.Array) -> ModelCache:
+    """``new`` with the KDA states and conv tails of the rows where ``keep [B]`` is True taken from ``old``:
+    a call in which a row has no valid token must leave it as it was, but it pushes that row's short
+    convolutions a zero input per token (padding is a no-op only before a row's first token)."""
+
+    def pick(n, o, batch_axis):
+        k = keep.reshape((1,) * batch_axis + (-1,) + (1,) * (n.ndim - batch_axis - 1))
+        return jnp.where(k, o, n)
+
+    layers = [c if isinstance(c, MLACache) else type(c)(*(pick(n, o, b) for n, o in zip(c, p)))
+              for (c, b), (p, _) in zip(_layer_caches(new), _layer_caches(old))]
+    return _rebuild(new, layers)
+
+
+def pack_row(cache: ModelCache, row) -> ModelCache:
+    """Row ``row`` alone, as a 1-row cache of the same slots whose valid slots are moved, in order, to the
+    last slots (``length`` = all slots): a row with invalid slots between its tokens (a prefill that skipped
+    it for some calls) becomes one run ending at the write position, as :func:`write_row` expects. Exact
+    for decoding, as :func:`shift_slots`: MLA reads slots only through ``valid``, rope keys are stored rotated."""
+    valid = jax.lax.dynamic_index_in_dim(cache.valid, row, 0, keepdims=False)
+    order = jnp.argsort(valid, stable=True)  # invalid slots first, then the valid ones in their order
+
+    def take(x, batch_axis, slot_axis):
+        x = jax.lax.dynamic_slice_in_dim(x, row, 1, axis=batch_axis)
+        return x if slot_axis is None else jnp.take(x, order, axis=slot_axis)
+
+    layers = [type(c)(*(take(x, b, b + 1 if isinstance(c, MLACache) else None) for x in c))
+              for c, b in _layer_caches(cache)]
+    return _rebuild(cache, layers, length=jnp.asarray(cache.max_len, jnp.int32),
+                    positions=jax.lax.dynamic_slice_in_dim(cache.positions, row, 1), valid=take(cache.valid, 0, 1))

@@ -8,14 +8,19 @@ left-pads a ragged batch. A request's lifecycle:
 
 1. ``submit`` puts it in a bounded queue (full: ``QueueFull``, which the API answers with 503).
 2. When rows are free, the waiting prompts (up to ``prefill_batch`` of them, no more than the free
-   rows) are prefilled together into a small cache, ``prefill_chunk`` tokens per call (left-padded
-   to a whole number of chunks: padding is a no-op for every layer), one chunk between two decode
-   steps, so a long prompt does not stall the running streams. A lone prompt runs in a batch-1
-   program, several in the ``prefill_batch``-row one (unused rows all padding): a burst of new
-   requests joins the batch in one prefill instead of one prefill each.
-3. Each prefilled row is written into a free pool row with its slots moved to end at the pool's
-   write position (``cache.write_row``); when the position is too small for the prompt, or reaches
-   the end of the slots, every row is moved at once (``cache.shift_slots``, exact).
+   rows) are prefilled together into a small cache, one call ("piece") between two decode steps, so
+   a long prompt does not stall the running streams. Each prompt runs from its start in whole
+   ``prefill_chunk`` pieces, then its remainder (< ``prefill_chunk`` tokens) in pieces of its binary
+   digits (``prefill_chunk``/2 or less, powers of two); in a piece a row runs that many tokens or
+   none (a skipped row's KDA states are kept: ``cache.keep_rows``; its MLA slots are invalid). So
+   every prompt's chunk boundaries fall at multiples of ``prefill_chunk`` from its start, where the
+   prefix cache takes and resumes snapshots. A lone prompt runs in batch-1 programs, several in the
+   ``prefill_batch``-row ones (unused rows idle): a burst of new requests joins the batch in one
+   prefill instead of one prefill each.
+3. Each prefilled row is written into a free pool row with its valid slots packed to end at the
+   pool's write position (``cache.pack_row``, ``cache.write_row``); when the position is too small
+   for the prompt, or reaches the end of the slots, every row is moved at once (``cache.shift_slots``,
+   exact).
 4. Each decode step samples every row's next token from its last logits (per-row temperature,
    top-p and key) and feeds it back; the host reads the tokens, streams them, and frees a row as
    soon as its request stops, reaches ``max_tokens`` or is cancelled. Steps are pipelined: step
@@ -34,6 +39,16 @@ its prefill without taking a pool row.
 A step runs the smallest of the decode programs (for 1, 2, 4, ... rows, and ``max_batch``) that
 covers the last busy row, on the pool's leading rows (``cache.first_rows``); requests take the
 lowest free row, so a few concurrent requests cost a few rows' work, not the whole pool's.
+
+Prefix cache (``prefix_cache_tokens`` > 0; ``k3jax.serving.prefix_cache``): after each whole chunk
+that ends a block of ``prefix_cache_block`` prompt tokens, the row's snapshot there (the block's MLA
+latent slots, copied out, and its KDA states and conv tails: ``cache.read_block``) joins a block
+trie. A new prompt (one that does not ask for its prompt's log-probabilities) looks up its longest
+cached block prefix (leaving at least its last token to run): the blocks are written into its prefill
+row (``cache.write_block``) and only the rest is prefilled, with the same chunk boundaries as without
+the cache. Blocks are copied, not shared: a pool row is one contiguous run of slots that moves
+(``shift_slots``), not a table of blocks. They stay on the device (a hit costs copies there, no
+transfer); the token budget bounds them, least recently used leaves evicted first.
 
 All device programs have fixed shapes (pool, chunk, row index and shifts are traced), so each
 compiles once (in ``warmup``), whatever requests come and go.
@@ -58,11 +73,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax.cache import first_rows, init_cache, put_first_rows, shift_slots, write_row
+from k3jax.cache import (cache_bytes, first_rows, init_cache, keep_rows, pack_row, put_first_rows, read_block,
+                         shift_slots, write_block, write_row)
 from k3jax.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, token_logprobs
 from k3jax.serving.metrics import Metrics
+from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
 
@@ -111,27 +128,40 @@ class Sequence:
 
 
 @dataclasses.dataclass
+class _Piece:
+    """One prefill call: each row runs ``width`` prompt tokens from ``starts[row]``, or none (-1)."""
+    tokens: np.ndarray  # [R, W]
+    valid: np.ndarray  # [R, W] a row's whole width or none of it
+    targets: np.ndarray  # [R, W] each position's next prompt token (past the prompt's end: 0, unused)
+    starts: list[int]  # per row: the prompt index of its first token here, -1: the row is idle
+    snapshots: list[tuple[int, int]]  # (row, prompt tokens done) of the rows that end a cache block here
+
+
+@dataclasses.dataclass
 class _Prefill:
-    seqs: list[Sequence]  # row i of the prefill batch is seqs[i]; rows past len(seqs) are padding
-    tokens: np.ndarray  # [R, chunks * P] left-padded prompts
-    valid: np.ndarray  # [R, chunks * P]
-    targets: np.ndarray  # [R, chunks * P] each position's next prompt token (the last: unused)
+    seqs: list[Sequence | None]  # row i of the prefill batch is seqs[i] (None: cancelled, still computed)
+    prompts: list[list[int]]  # their prompts
+    pieces: list[_Piece]
     cache: object
+    last: object  # each row's last logits [R, V]
+    length: int  # slots written so far (host copy of cache.length)
     scores: bool = False  # some request wants its prompt's log-probabilities
-    done: int = 0  # chunks run so far
-    last: object = None  # last logits [R, V]
-    scored: list = dataclasses.field(default_factory=list)  # per chunk: token_logprobs' arrays [R, P(, K)]
+    done: int = 0  # pieces run so far
+    scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
 
 
 class Engine:
     """The slot pool and its decode loop (see the module docstring). ``mesh``: the device mesh the
     model is laid out on (None or one device: unsharded). ``unroll_layers``: run the model with its
     layers unrolled (``k3jax.model.unroll_layers``: a copy of the scanned weights, a longer compile,
-    faster steps on CPU); None = on CPU when unsharded."""
+    faster steps on CPU); None = on CPU when unsharded. ``prefix_cache_tokens``: the prefix cache's
+    budget (0: no prefix cache); ``prefix_cache_block``: its block, a multiple of ``prefill_chunk``
+    (default: one chunk). ``prefill_chunk`` is at most ``max_len``."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
                  prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None,
-                 unroll_layers: bool | None = None):
+                 unroll_layers: bool | None = None, prefix_cache_tokens: int = 0,
+                 prefix_cache_block: int | None = None):
         cfg = model.cfg
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
@@ -142,7 +172,16 @@ class Engine:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+        self.max_batch, self.prefill_chunk, self.max_queue = max_batch, min(prefill_chunk, self.max_len), max_queue
+        # prefill widths: a whole chunk, then the powers of two below it (a remainder's binary digits)
+        self._widths = [self.prefill_chunk] + [2**k for k in reversed(range(self.prefill_chunk.bit_length()))
+                                               if 2**k < self.prefill_chunk]
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
+        block = prefix_cache_block or self.prefill_chunk
+        if block % self.prefill_chunk:
+            raise ValueError(f"prefix_cache_block ({block}) must be a multiple of prefill_chunk ({self.prefill_chunk})")
+        self.prefix_cache = PrefixCache(block, prefix_cache_tokens) if prefix_cache_tokens else None
         self.prefill_batch = min(prefill_batch, max_batch)
         self.vocab_size = cfg.vocab_size
         self.metrics = metrics or Metrics()
@@ -151,6 +190,10 @@ class Engine:
         if unroll_layers is None:  # XLA:CPU copies a scanned layer's weights out of the stack at every step
             unroll_layers = self.mesh is None and jax.default_backend() == "cpu"
         self._build(unrolled(model) if unroll_layers else model)
+        if self.prefix_cache is not None:
+            self.prefix_cache_block_bytes = cache_bytes(jax.eval_shape(self._empty_block))
+            log.info("prefix cache: blocks of %d tokens, %.1f MiB each (KDA snapshot included), %d blocks at most",
+                     block, self.prefix_cache_block_bytes / 2**20, prefix_cache_tokens // block)
         self._reset()
         self._queue: collections.deque[Sequence] = collections.deque()
         self._cond = threading.Condition()
@@ -176,12 +219,17 @@ class Engine:
         def empty_prefill(rows):
             return init_cache(wide, plan, rows, c + p)
 
-        def prefill(state, cache, tokens, valid, targets, scores):
-            logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
-            return logits[:, -1], cache, token_logprobs(logits, targets, MAX_LOGPROBS, scores)
+        def prefill(state, cache, last, tokens, valid, targets, scores):
+            """A piece (tokens / valid / targets ``[R, W]``): each row runs all W tokens or none; an idle
+            row keeps its KDA states and last logits ``[R, V]``."""
+            logits, new = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
+            ran = jnp.any(valid, axis=1)
+            return (jnp.where(ran[:, None], logits[:, -1], last), keep_rows(new, cache, ~ran),
+                    token_logprobs(logits, targets, MAX_LOGPROBS, scores))
 
         def insert(pool, logits, keys, row, src, src_row, last, seed):
-            pool = write_row(pool, row, src, pool.length - src.length, src_row)
+            packed = pack_row(src, src_row)  # skipped pieces left invalid slots between the row's tokens
+            pool = write_row(pool, row, packed, pool.length - packed.length)
             return pool, logits.at[row].set(last[src_row]), keys.at[row].set(jax.random.key(seed))
 
         def realign(pool, shift):
@@ -215,7 +263,16 @@ class Engine:
                 return jax.jit(fn, out_shardings=out_shardings, **kw)
         self._empty_pool = jit(empty_pool, out_shardings=pool_sh)
         self._empty_prefill = {r: jit(functools.partial(empty_prefill, r), out_shardings=pre_sh[r]) for r in sizes}
-        self._prefill_fn = {r: jit(prefill, out_shardings=(rep, pre_sh[r], rep), donate_argnums=(1,)) for r in sizes}
+        self._zero_last = {r: jit(functools.partial(jnp.zeros, (r, cfg.vocab_size), jnp.float32), out_shardings=rep)
+                           for r in sizes}
+        # one program per row count and width (a piece's shape)
+        self._prefill_fn = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep), donate_argnums=(1, 2))
+                            for r in sizes for w in self._widths}
+        if self.prefix_cache is not None:  # snapshots (replicated: one row) out of / into a prefill cache
+            size = self.prefix_cache.block
+            self._empty_block = functools.partial(init_cache, wide, plan, 1, size)
+            self._read_block_fn = {r: jit(functools.partial(read_block, size=size), out_shardings=rep) for r in sizes}
+            self._write_block_fn = {r: jit(write_block, out_shardings=pre_sh[r], donate_argnums=(0,)) for r in sizes}
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         # decode programs by row count: 1, 2, 4, ... and the whole pool
@@ -246,20 +303,22 @@ class Engine:
     def warmup(self) -> None:
         """Compile every device program now (a prefill, an insert, a move of the slots, a decode
         step on a dummy request), not at the first requests; then empty the pool."""
-        metrics, self.metrics = self.metrics, Metrics()  # the dummy requests are not served traffic
+        metrics, self.metrics = self.metrics, Metrics()  # the dummy work is not served traffic
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            for n in sorted({1, min(2, self.prefill_batch)}):  # the batch-1 and the batched prefill
-                self._rows = [None] * self.max_batch  # the dummies' rows are free again
-                self._start_prefill([Sequence([0], SamplingParams(max_tokens=1), lambda t, lp: None, lambda r: None)
-                                     for _ in range(n)])
-                while self._prefill is not None:
-                    self._prefill_chunk()
+            for rows in self._empty_prefill:  # the batch-1 and the batched prefill programs
+                cache, last = self._empty_prefill[rows](), self._zero_last[rows]()
+                for w in self._widths:  # p + p - 1 <= max_len + p slots
+                    last, cache, _ = self._prefill_fn[rows, w](
+                        self._state, cache, last, np.zeros((rows, w), np.int32), np.ones((rows, w), bool),
+                        np.zeros((rows, w), np.int32), np.bool_(True))
+                if self.prefix_cache is not None:
+                    block = self._read_block_fn[rows](cache, np.int32(0), np.int32(0))
+                    cache = self._write_block_fn[rows](cache, np.int32(0), np.int32(0), block)
+                self._pool, self._logits, self._keys = self._insert_fn(
+                    self._pool, self._logits, self._keys, np.int32(0), cache, np.int32(0), last, np.uint32(0))
             self._realign(0)
-            self._queue_step()
-            self._read_step()
-            idle = np.zeros(self.max_batch, bool)
-            for rows in self._decode_fn:  # the programs the dummy's step did not need
-                self._decode(rows, idle)
+            for rows in self._decode_fn:
+                self._decode(rows, np.arange(self.max_batch) < rows)
             jax.block_until_ready(self._pool)
             self._reset()
         self.metrics = metrics
@@ -344,6 +403,8 @@ class Engine:
                     self._iteration()
                 except Exception:  # a failed device call: fail what is in flight, keep serving
                     log.exception("engine step failed; failing the requests in flight")
+                    if self.prefix_cache is not None:  # a failed computation may have left poisoned snapshots
+                        self.prefix_cache.clear()
                     for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ())]:
                         if seq is not None:
                             self._finish(seq, "error")
@@ -357,9 +418,9 @@ class Engine:
         free = self._rows.count(None)
         if self._prefill is None and free:
             with self._cond:
-                seqs = [self._queue.popleft() for _ in range(min(free, self.prefill_batch, len(self._queue)))]
+                seqs, hits = self._take_prompts(min(free, self.prefill_batch))
             if seqs:
-                self._start_prefill(seqs)
+                self._start_prefill(seqs, hits)
         if self._prefill is not None:
             self._prefill_chunk()
             # nothing decoding: no stream to keep waiting, run the whole prompt
@@ -390,31 +451,94 @@ class Engine:
         for seq in cancelled:
             self._finish(seq, seq.cancelled)
 
-    def _start_prefill(self, seqs: list[Sequence]):
-        """Prefill ``seqs`` (1 <= len <= prefill_batch, no more than the free rows) together."""
+    def _cached_prefix(self, seq: Sequence) -> list:
+        """The prefix cache's nodes for ``seq``'s longest cached prefix (none for a request that scores its
+        prompt: every prompt position must run); at least the prompt's last token is left to run."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs:
+            return []
+        return self.prefix_cache.lookup(seq.prompt, len(seq.prompt) - 1)
+
+    def _take_prompts(self, n: int) -> tuple[list[Sequence], list[list]]:
+        """Up to ``n`` waiting requests (under the lock) to prefill together, and each one's cached prefix
+        nodes. Their slots must fit the prefill cache (``max_len + prefill_chunk``): the longest cached
+        prefix, then whole chunks for the longest uncached rest, then < one chunk of remainder pieces."""
+        seqs, hits, prefix, chunks, p = [], [], 0, 0, self.prefill_chunk
+        while self._queue and len(seqs) < n:
+            seq = self._queue[0]
+            nodes = self._cached_prefix(seq)
+            h = len(nodes) * (self.prefix_cache.block if nodes else 0)
+            grown = (max(prefix, h), max(chunks, (len(seq.prompt) - h) // p))
+            if seqs and grown[0] + grown[1] * p > self.max_len + 1:
+                break
+            prefix, chunks = grown
+            seqs.append(self._queue.popleft())
+            hits.append(nodes)
+        return seqs, hits
+
+    def _start_prefill(self, seqs: list[Sequence], hits: list[list]):
+        """Prefill ``seqs`` (1 <= len <= prefill_batch, no more than the free rows) together, each after
+        its cached prefix (``hits``: its prefix cache nodes, root first). Row i's cached prefix of h_i
+        tokens is written to end at slot H = max h_i; the pieces follow."""
         rows = 1 if len(seqs) == 1 else self.prefill_batch
         p = self.prefill_chunk
-        padded = -(-max(len(s.prompt) for s in seqs) // p) * p
-        tokens = np.zeros((rows, padded), np.int32)
-        valid = np.zeros((rows, padded), bool)
-        for i, seq in enumerate(seqs):
-            tokens[i, padded - len(seq.prompt):] = seq.prompt
-            valid[i, padded - len(seq.prompt):] = True
-        targets = np.zeros_like(tokens)
-        targets[:, :-1] = tokens[:, 1:]
-        self._prefill = _Prefill(list(seqs), tokens, valid, targets, self._empty_prefill[rows](),
-                                 scores=any(s.params.prompt_logprobs for s in seqs))
+        block = self.prefix_cache.block if self.prefix_cache is not None else 0
+        done = [len(nodes) * block for nodes in hits]  # per row: prompt tokens already in the cache
+        start = max(done)
+        cache = self._empty_prefill[rows]()
+        for i, nodes in enumerate(hits):
+            for j, node in enumerate(nodes):
+                cache = self._write_block_fn[rows](cache, np.int32(i), np.int32(start - done[i] + j * block),
+                                                   node.value)
+        if start:
+            cache = cache._replace(length=jnp.asarray(start, jnp.int32))
+        if self.prefix_cache is not None:
+            for seq, h in zip(seqs, done):
+                if not seq.params.prompt_logprobs:
+                    self.metrics.prefix_lookup(h)
+        rest = [len(seq.prompt) - h for seq, h in zip(seqs, done)]
+        chunks = max(r // p for r in rest)
+
+        def piece(width: int, active: list[int]) -> _Piece:
+            tokens, valid, targets = (np.zeros((rows, width), t) for t in (np.int32, bool, np.int32))
+            starts, snapshots = [-1] * rows, []
+            for i in active:
+                prompt, a = seqs[i].prompt, done[i]
+                tokens[i], valid[i] = prompt[a:a + width], True
+                after = prompt[a + 1:a + width + 1]
+                targets[i, :len(after)] = after
+                starts[i], done[i] = a, a + width
+                if block and done[i] % block == 0:
+                    snapshots.append((i, done[i]))
+            return _Piece(tokens, valid, targets, starts, snapshots)
+
+        # whole chunks, each row's last ones together; then the remainders' binary digits
+        pieces = [piece(p, [i for i, r in enumerate(rest) if r // p >= chunks - j]) for j in range(chunks)]
+        for w in self._widths[1:]:
+            active = [i for i, r in enumerate(rest) if r % p & w]
+            if active:
+                pieces.append(piece(w, active))
+        self._prefill = _Prefill(list(seqs), [seq.prompt for seq in seqs], pieces, cache, self._zero_last[rows](),
+                                 start, scores=any(s.params.prompt_logprobs for s in seqs))
 
     def _prefill_chunk(self):
-        job, p = self._prefill, self.prefill_chunk
-        i = job.done * p
-        job.last, job.cache, scored = self._prefill_fn[job.tokens.shape[0]](
-            self._state, job.cache, job.tokens[:, i:i + p], job.valid[:, i:i + p], job.targets[:, i:i + p],
-            np.bool_(job.scores))
+        """Run the prefill's next piece; after its last, hand the rows to the pool."""
+        job = self._prefill
+        piece = job.pieces[job.done]
+        rows, width = piece.tokens.shape
+        job.last, job.cache, scored = self._prefill_fn[rows, width](
+            self._state, job.cache, job.last, piece.tokens, piece.valid, piece.targets, np.bool_(job.scores))
+        job.length += width
+        self.metrics.prefilled(width * sum(a >= 0 for a in piece.starts))
         if job.scores:
             job.scored.append(scored)
+        for row, end in piece.snapshots:  # the row's last block ends here: its slots are the last ones
+            if not self.prefix_cache.has(job.prompts[row], end):
+                block = self._read_block_fn[rows](job.cache, np.int32(row), np.int32(job.length - self.prefix_cache.block))
+                self.prefix_cache.insert(job.prompts[row], end, block)
+        if piece.snapshots:
+            self.metrics.prefix_cache_size(self.prefix_cache.tokens)
         job.done += 1
-        if job.done * p == job.tokens.shape[1]:
+        if job.done == len(job.pieces):
             if job.scores:
                 self._set_prompt_logprobs(job)
             for src_row, seq in enumerate(job.seqs):
@@ -428,17 +552,21 @@ class Engine:
             self._prefill = None
 
     def _set_prompt_logprobs(self, job: _Prefill):
-        """Each scoring request's ``prompt_logprobs`` from the chunks' outputs: prompt token t's entry
-        comes from the position before it (its first token has none)."""
-        own, top, ids = (np.concatenate([np.asarray(c[j]) for c in job.scored], axis=1) for j in range(3))
-        width = job.tokens.shape[1]
-        for src_row, seq in enumerate(job.seqs):
+        """Each scoring request's ``prompt_logprobs`` from the pieces' outputs: prompt token t's entry
+        comes from the position before it (its first token has none). Scoring rows have no cached
+        prefix: every position ran in some piece."""
+        scored = [tuple(np.asarray(a) for a in arrays) for arrays in job.scored]  # (own, top, ids) per piece
+        for row, seq in enumerate(job.seqs):
             if seq is None or not seq.params.prompt_logprobs:
                 continue
-            k = seq.params.logprobs or 0
-            start = width - len(seq.prompt)  # the row's first prompt position (left padding before it)
-            seq.prompt_logprobs = [None] + [_logprobs_of(own[src_row, i], top[src_row, i], ids[src_row, i], k)
-                                            for i in range(start, width - 1)]
+            k, n = seq.params.logprobs or 0, len(seq.prompt)
+            entries: list[TokenLogprobs | None] = [None] * n
+            for piece, (own, top, ids) in zip(job.pieces, scored):
+                a = piece.starts[row]
+                for q in range(piece.tokens.shape[1] if a >= 0 else 0):
+                    if a + q + 1 < n:
+                        entries[a + q + 1] = _logprobs_of(own[row, q], top[row, q], ids[row, q], k)
+            seq.prompt_logprobs = entries
 
     def _insert(self, job: _Prefill, src_row: int):
         seq = job.seqs[src_row]

@@ -1,8 +1,8 @@
 """Server metrics in the Prometheus text exposition format (``GET /metrics``).
 
-Counters (requests, prompt and generated tokens, decode steps, cache realignments, XLA compiles),
-gauges (queue length, active slots, token rates over the last ``RATE_WINDOW_S`` seconds) and a
-time-to-first-token histogram. Written by the engine thread and the HTTP handlers under one lock.
+Counters (requests, prompt, prefilled and generated tokens, decode steps, cache realignments, XLA
+compiles, prefix cache hits / misses / cached tokens), gauges (queue length, active slots, token rates
+over the last ``RATE_WINDOW_S`` seconds, tokens in the prefix cache) and a time-to-first-token histogram. Written by the engine thread and the HTTP handlers under one lock.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests = collections.Counter()  # by outcome: stop, length, cancelled, rejected, error
         self.prompt_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens run through the model (not those of cached prefixes)
+        self.prefix_hits = self.prefix_misses = self.prefix_hit_tokens = 0
+        self.prefix_cache_tokens = 0
         self.generated_tokens = 0
         self.decode_steps = 0
         self.realignments = 0
@@ -62,6 +65,21 @@ class Metrics:
             self._recent.append((now, prompt, generated))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
+
+    def prefilled(self, tokens: int) -> None:
+        with self._lock:
+            self.prefill_tokens += tokens
+
+    def prefix_lookup(self, cached_tokens: int) -> None:
+        """A prompt looked up in the prefix cache: ``cached_tokens`` of it found (0: a miss)."""
+        with self._lock:
+            self.prefix_hits += cached_tokens > 0
+            self.prefix_misses += cached_tokens == 0
+            self.prefix_hit_tokens += cached_tokens
+
+    def prefix_cache_size(self, tokens: int) -> None:
+        with self._lock:
+            self.prefix_cache_tokens = tokens
 
     def first_token(self, seconds: float) -> None:
         with self._lock:
@@ -99,7 +117,17 @@ class Metrics:
 
             metric("requests_total", "counter", "Finished requests by outcome.",
                    [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.requests.items())] or [("", 0)])
-            metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
+            metric("prompt_tokens_total", "counter", "Prompt tokens of the requests served (cached prefixes "
+                   "included).", [("", self.prompt_tokens)])
+            metric("prefill_tokens_total", "counter", "Prompt tokens run through the model (cached prefixes not).",
+                   [("", self.prefill_tokens)])
+            metric("prefix_cache_hits_total", "counter", "Prompts that resumed from a cached prefix.",
+                   [("", self.prefix_hits)])
+            metric("prefix_cache_misses_total", "counter", "Prompts looked up in the prefix cache without a hit.",
+                   [("", self.prefix_misses)])
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens not prefilled: read from the cache.",
+                   [("", self.prefix_hit_tokens)])
+            metric("prefix_cache_tokens", "gauge", "Tokens held in the prefix cache.", [("", self.prefix_cache_tokens)])
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generated_tokens)])
             metric("prompt_tokens_per_second", "gauge", f"Prompt tokens/s over the last {RATE_WINDOW_S:g} s.",
                    [("", round(sum(r[1] for r in recent) / RATE_WINDOW_S, 3))])

@@ -22,6 +22,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    "burst of requests joins the running batch in one prefill)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     g.add_argument("--model-name", help="the model id of the API (default: the config's name)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefill every prompt "
+                   "whole (default: prompts that start with an earlier prompt's blocks resume from them)")
+    g.add_argument("--prefix-cache-tokens", type=int, default=32768, help="prefix cache budget in prompt tokens "
+                   "(device memory: per block, its MLA latents and one KDA state snapshot; the server logs the "
+                   "size of a block); least recently used blocks are evicted")
+    g.add_argument("--prefix-cache-block", type=int, help="prompt tokens per prefix cache block, where KDA "
+                   "states are snapshotted: a multiple of --prefill-chunk (default: one chunk)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The Engine keyword arguments of the server's options."""
+    return dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                prefill_batch=args.prefill_batch, max_queue=args.max_queue,
+                prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache else 0,
+                prefix_cache_block=args.prefix_cache_block)
 
 
 def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -> None:
@@ -31,8 +46,7 @@ def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -
     from k3jax.serving.api import create_app  # FastAPI only where a server runs
 
     try:
-        engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        prefill_batch=args.prefill_batch, max_queue=args.max_queue, mesh=mesh)
+        engine = Engine(model, mesh=mesh, **engine_options(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     app = create_app(engine, tokenizer, args.model_name or name)

@@ -1,0 +1,107 @@
+"""The engine's prefix cache: prompt blocks already prefilled, kept so a later prompt that starts with the
+same tokens skips them.
+
+A trie of blocks of ``block`` tokens (a multiple of the engine's prefill chunk). A node stands for the
+prompt prefix ending with its block (its ancestors' blocks before it) and holds what prefilling that
+prefix left in a cache row, as an opaque value (the engine's ``k3jax.cache.read_block`` snapshot: the
+block's MLA latent slots and the KDA recurrent states and short-conv tails at the block's end).
+KDA layers carry the whole prefix in a fixed-size state, not in per-token slots, so a hit can only
+resume where a snapshot was taken: at a block boundary, from the deepest cached node on the prompt's
+path.
+
+Memory is bounded by ``max_tokens`` (``block`` tokens per node): inserting past it evicts the least
+recently used leaves (a node is used when a lookup or an insert passes through it); an inner node is
+evicted only once its children are, so every node's prefix stays whole. Host-side bookkeeping only:
+the engine owns the device arrays and decides when to look up and insert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]  # the block's tokens
+    parent: "Node | None"
+    value: object = None  # the engine's snapshot of the prefix ending with this block
+    children: dict = dataclasses.field(default_factory=dict)  # key -> Node
+    used: int = 0  # the lookup / insert clock when last passed through
+
+
+class PrefixCache:
+    """Block trie with an LRU token budget (see the module docstring)."""
+
+    def __init__(self, block: int, max_tokens: int):
+        if block < 1:
+            raise ValueError(f"prefix cache block must be >= 1 token, got {block}")
+        if max_tokens < block:
+            raise ValueError(f"prefix cache budget ({max_tokens} tokens) holds no block of {block} tokens")
+        self.block, self.max_tokens = block, max_tokens
+        self._root = Node((), None)
+        self._nodes: set[Node] = set()
+        self._clock = itertools.count(1)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (``block`` per node)."""
+        return len(self._nodes) * self.block
+
+    def _blocks(self, tokens, end: int):
+        return (tuple(tokens[i:i + self.block]) for i in range(0, end, self.block))
+
+    def lookup(self, tokens, limit: int) -> list[Node]:
+        """The cached nodes along ``tokens``' path, root first, covering at most ``limit`` tokens (the
+        deepest one's prefix is the longest cached one); marks them used."""
+        path, node, now = [], self._root, next(self._clock)
+        for key in self._blocks(tokens, limit // self.block * self.block):
+            node = node.children.get(key)
+            if node is None:
+                break
+            node.used = now
+            path.append(node)
+        return path
+
+    def has(self, tokens, end: int) -> bool:
+        """Whether the prefix ``tokens[:end]`` (``end`` a multiple of ``block``) is cached."""
+        node = self._root
+        for key in self._blocks(tokens, end):
+            node = node.children.get(key)
+            if node is None:
+                return False
+        return True
+
+    def insert(self, tokens, end: int, value) -> bool:
+        """Cache ``value`` as the prefix ``tokens[:end]`` (``end`` a multiple of ``block``), evicting least
+        recently used leaves for room. False (nothing stored) when the prefix before its last block is not
+        cached (it was evicted since) or when it is cached already."""
+        parent, now = self._root, next(self._clock)
+        for key in self._blocks(tokens, end - self.block):
+            parent = parent.children.get(key)
+            if parent is None:
+                return False
+            parent.used = now
+        key = tuple(tokens[end - self.block:end])
+        if key in parent.children:
+            return False
+        while self.tokens + self.block > self.max_tokens:
+            leaves = [n for n in self._nodes if not n.children and n is not parent]
+            if not leaves:  # only the new block's own ancestors are left
+                return False
+            self._evict(min(leaves, key=lambda n: n.used))
+        node = Node(key, parent, value, used=now)
+        parent.children[key] = node
+        self._nodes.add(node)
+        return True
+
+    def _evict(self, node: Node) -> None:
+        del node.parent.children[node.key]
+        self._nodes.discard(node)
+        node.value = None
+
+    def clear(self) -> None:
+        for node in list(self._nodes):
+            node.value = None
+        self._root.children.clear()
+        self._nodes.clear()
