@@ -11,7 +11,8 @@ PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints`
 unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
 or a Hugging Face model directory (e.g. a
 ``to_hf`` / ``k3jax.convert`` export; MXFP4-packed experts stay packed and are dequantized on the
-fly). Without ``--checkpoint`` the latest run of the default main job (``runs/default``) is used.
+fly), local or a URL (``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run
+of the default main job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
 
 Devices: ``--mesh`` lays the model out over every device of every process (default ``fsdp=-1``: the
@@ -104,7 +105,8 @@ def _check_arguments(ap: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     compile_cache.enable()  # $K3JAX_COMPILE_CACHE or ~/.cache/k3jax/jax ("off" disables)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", help="checkpoint or run directory (default: runs/default)")
+    ap.add_argument("--checkpoint", help="checkpoint or run directory, a path or a URL such as gs://bucket/run "
+                    "(default: runs/default)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
     ap.add_argument("--lora", metavar="DIR", help="LoRA adapters for the model: a LoRA run (or its checkpoint "

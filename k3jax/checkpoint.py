@@ -246,10 +246,11 @@ def restore_base(mngr: ocp.CheckpointManager, step: int) -> dict:
                               f"({_summary(e)})") from e
 
 
-def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter) -> int | None:
-    """Restore the latest checkpoint of ``mngr`` into ``train_state`` (in place) and ``data_iter`` (None:
-    leave the data position alone, as a rollback past bad batches does); returns its step, or None when
-    there is none.
+def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter, *,
+                        step: int | None = None) -> int | None:
+    """Restore the latest checkpoint of ``mngr`` (or ``step``) into ``train_state`` (in place) and
+    ``data_iter`` (None: leave the data position alone, as a rollback past bad batches does); returns its
+    step, or None when there is none.
 
     Raises :class:`CheckpointError` if the checkpoint was written by a run whose config differs in
     anything but its runtime fields (:data:`RESUMABLE_TRAIN_FIELDS`, ``mesh``, and the model's
@@ -257,7 +258,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
     """
     import grain
 
-    step = mngr.latest_step()
+    step = mngr.latest_step() if step is None else step
     if step is None:
         return None
     where = f"{mngr.directory}/{step}"

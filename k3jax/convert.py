@@ -14,7 +14,8 @@ alone in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
 ``--from-hf`` reads ``kimi_k3``, ``kimi_linear``, ``deepseek_v3`` and ``kimi_k2`` directories
 (config.json + single or sharded safetensors), streaming shard by shard. ``--to-hf`` writes the
 official layout of ``--model-type``; ``--tokenizer-from`` copies the tokenizer files and the
-special-token ids of an original download into the export.
+special-token ids of an original download into the export. Every path may be a URL (``gs://bucket/ckpt``;
+``k3jax/storage.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 import sys
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "chat_template.jinja",
                    "generation_config.json", "special_tokens_map.json", "tokenizer.json", "encoding_k3.py")
 
 
-def _checkpoints(src: str) -> pathlib.Path:
-    """A run directory's ``checkpoints/``, else ``src`` itself."""
-    p = pathlib.Path(src)
+def _checkpoints(src: str):
+    """A run directory's ``checkpoints/``, else ``src`` itself (a local path or a URL)."""
+    from k3jax import storage
+
+    p = storage.path(src)
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
 
 
@@ -54,7 +56,7 @@ def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), lor
 
     model = _with_lora(from_hf(src, dtype=jnp.dtype(dtype), overrides=overrides, progress=progress), lora)
     model.merge_lora()
-    config = Config(name=pathlib.Path(src).name, model=model.cfg)
+    config = Config(name=pathlib.PurePosixPath(str(src).rstrip("/")).name, model=model.cfg)
     save_model(dst, model, config)
 
 
@@ -86,6 +88,7 @@ def orbax_to_peft(src: str, dst: str, *, model_type: str, lora: str | None = Non
 def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5GB", dtype: str | None = None,
                 mxfp4: bool | None = None, tokenizer_from: str | None = None, step: int | None = None,
                 lora: str | None = None, progress: bool = True) -> None:
+    from k3jax import storage
     from k3jax.checkpoint import restore_model
     from k3jax.interop import to_hf
 
@@ -93,9 +96,9 @@ def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5
     _with_lora(model, lora).merge_lora()
     extra = {}
     if tokenizer_from:
-        src_cfg = pathlib.Path(tokenizer_from) / "config.json"
+        src_cfg = storage.path(tokenizer_from) / "config.json"
         if src_cfg.exists():
-            hf = json.loads(src_cfg.read_text())
+            hf = json.loads(storage.read_text(src_cfg))
             for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 if k in hf:
                     extra[k] = hf[k]
@@ -105,9 +108,9 @@ def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5
           extra_config=extra, progress=progress)
     if tokenizer_from:
         for name in TOKENIZER_FILES:
-            f = pathlib.Path(tokenizer_from) / name
+            f = storage.path(tokenizer_from) / name
             if f.exists():
-                shutil.copy2(f, pathlib.Path(dst) / name)
+                storage.write_bytes(storage.path(dst) / name, storage.read_bytes(f))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ Faults (docs/design.md, "Running as a pod job"):
   naming the step and the reason; the previous checkpoint is intact and a partial step is never listed.
 - ``train.max_nonfinite_steps`` consecutive updates skipped by the NaN guard: :class:`DivergenceError`
   naming the steps (``train.on_nonfinite=stop``), or the weights and optimizer go back to the latest
-  checkpoint and training continues with the batches after the bad ones (``rollback``; once per
-  checkpoint).
+  checkpoint saved before the first of those steps and training continues with the batches after the bad
+  ones (``rollback``; once per checkpoint).
 - Bad data records: ``train.data.bad_records`` (``k3jax/data/sources.py``); skipped ones are counted in
   ``metrics.jsonl`` (``skipped_records``).
 """
@@ -254,22 +254,24 @@ def _placed(state, mesh):
 def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_to: set[int]):
     """``train.max_nonfinite_steps`` consecutive skipped updates: raise :class:`DivergenceError`
     (``train.on_nonfinite=stop``, or a rollback to a checkpoint already rolled back to), or return the
-    state of the latest checkpoint (model and optimizer; the data goes on past the bad batches) and its
+    state of the latest checkpoint saved before the first skipped step (the weights that led into the
+    divergence are not trusted; model and optimizer, while the data goes on past the bad batches) and its
     step."""
     tc = cfg.train
-    latest = mngr.latest_step()
+    before = [s for s in mngr.all_steps() if s < nonfinite[0]]
+    latest = max(before) if before else None
     what = (f"steps {nonfinite[0]}-{nonfinite[-1]}: {len(nonfinite)} consecutive updates skipped for a non-finite "
             f"loss or gradient (train.max_nonfinite_steps={tc.max_nonfinite_steps})")
     if tc.on_nonfinite == "stop" or latest is None or latest in rolled_back_to:
         why = ("" if tc.on_nonfinite == "stop" else
-               "; no checkpoint to roll back to" if latest is None else
+               f"; no checkpoint before step {nonfinite[0]} to roll back to" if latest is None else
                f"; the run already rolled back to checkpoint {latest} once")
-        kept = f" The latest checkpoint is step {latest}." if latest is not None else ""
+        kept = f" The latest checkpoint is step {mngr.latest_step()}." if mngr.latest_step() is not None else ""
         raise DivergenceError(f"{what}{why}.{kept} Lower the learning rate or check the data "
                               f"(train.on_nonfinite=rollback retries from the last checkpoint).")
     rolled_back_to.add(latest)
     ts = _abstract_on(cfg, mesh)
-    checkpoint.restore_train_state(mngr, cfg, ts, None)
+    checkpoint.restore_train_state(mngr, cfg, ts, None, step=latest)
     if tc.lora.enabled:
         checkpoint.load_base(ts.model, base, mesh)
     tqdm.write(f"{what}: rolled back to checkpoint {latest}; training goes on with the batches after step "

@@ -237,6 +237,7 @@ def make_train_dataset(train_cfg: TrainConfig, tokenizer: TextTokenizer | None =
     guard = GuardedRecords(documents, data.bad_records, skipped)
     ds = grain.MapDataset.source(IndexedDocuments(_Indexed(guard), indices))
     ds = ds[process_index::process_count]
+    guard.reachable = len(ds)  # this process's records: all of them bad means nothing to train on
     if len(ds) == 0:
         raise ValueError(f"process {process_index} of {process_count} gets no {split} documents "
                          f"(only {len(indices)} in the split)")

@@ -368,21 +368,24 @@ class SkippedRecords:
 class GuardedRecords:
     """``source[i]`` under the bad-record policy ``policy`` (``train.data.bad_records``): a record that
     raises ``ValueError`` / ``OSError`` when read, or is an empty document, raises :class:`BadRecordError`
-    naming its file and record (``stop``) or reads as None and is counted in ``skipped`` (``skip``). Reading
-    as many bad records in a row as the source holds stops either way (nothing would ever be trained)."""
+    naming its file and record (``stop``) or reads as None and is counted in ``skipped`` (``skip``). When
+    every one of the ``reachable`` records it may be asked for (default: all; a process's share of a split
+    in the pipeline) has been found bad with no good one in between, it stops either way: nothing would
+    ever be trained."""
 
-    def __init__(self, source, policy: str, skipped: SkippedRecords | None = None):
+    def __init__(self, source, policy: str, skipped: SkippedRecords | None = None, reachable: int | None = None):
         if policy not in ("stop", "skip"):
             raise ValueError(f"train.data.bad_records: {policy!r} is not one of stop, skip")
         self.source, self.policy = source, policy
         self.skipped = skipped if skipped is not None else SkippedRecords()
-        self._in_a_row = 0
+        self.reachable = len(source) if reachable is None else reachable
+        self._bad_since_good: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.source)
 
     def where(self, index: int) -> str:
-        where = getattr(self.source, "where", None)
+        where = getattr(self.source, "where", None) or getattr(getattr(self.source, "records", None), "where", None)
         return where(index) if where is not None else f"record {index}"
 
     def __getitem__(self, index: int):
@@ -393,7 +396,7 @@ class GuardedRecords:
         except (ValueError, OSError) as e:
             self.reject(index, e)
             return None
-        self._in_a_row = 0
+        self._bad_since_good.clear()
         return value
 
     def reject(self, index: int, error: Exception) -> None:
@@ -404,9 +407,9 @@ class GuardedRecords:
         if self.policy == "stop":
             raise bad from error
         self.skipped.add(bad)
-        self._in_a_row += 1
-        if self._in_a_row >= len(self.source):
-            raise BadRecordError(f"every record of the source is bad ({self._in_a_row} in a row; the last: {text})") \
+        self._bad_since_good.add(index)
+        if len(self._bad_since_good) >= self.reachable:
+            raise BadRecordError(f"every record of the source is bad ({self.reachable} of them; the last: {text})") \
                 from error
 
 

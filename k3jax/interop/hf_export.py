@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax import storage
 from k3jax.config import ModelConfig
 from k3jax.interop import mxfp4
 from k3jax.interop.hf_config import carried_config, check_exportable, config_to_hf
@@ -106,6 +107,11 @@ def to_hf(model: K3Model, path: str | os.PathLike, *, model_type: str = "kimi_k3
     Writes ``config.json``, the safetensors shard(s) and, when sharded,
     ``model.safetensors.index.json``. Returns the config dict written.
     """
+    if storage.is_remote(path):  # a URL (gs://...): written locally, uploaded when complete
+        with storage.staged_upload(path) as local:
+            return to_hf(model, local, model_type=model_type, max_shard_size=max_shard_size, dtype=dtype,
+                         mxfp4_experts=mxfp4_experts, mxfp4_rule=mxfp4_rule, extra_config=extra_config,
+                         progress=progress)
     cfg: ModelConfig = model.cfg
     check_exportable(cfg, model_type)
     path = pathlib.Path(path)

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from k3jax import storage
 from k3jax.config import ModelConfig
 from k3jax.interop import compressed_tensors, mxfp4
 from k3jax.interop.hf_config import HFInfo, carry_config, config_from_hf
@@ -37,10 +38,10 @@ from k3jax.vision.weights import is_vision_tensor, load_vision, official_names
 
 
 def read_config(path: str | os.PathLike) -> dict:
-    p = pathlib.Path(path) / "config.json"
+    p = storage.path(path) / "config.json"
     if not p.exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    return json.loads(p.read_text())
+    return json.loads(storage.read_text(p))
 
 
 def checkpoint_files(path: str | os.PathLike) -> dict[str, list[str]]:
@@ -125,7 +126,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     config.json keys without effect on the maths (token ids, ...) stay on it for ``to_hf``
     (``hf_config.carry_config``).
     """
-    path = pathlib.Path(path)
+    path = storage.local_copy(path)  # a URL (gs://...): the directory downloaded once into the local cache
     cfg, info = load_hf_config(path, dtype=dtype,
                                overrides=[*overrides, *(["quant.experts=mxfp4"] if keep_mxfp4 else [])])
     if keep_quantized:

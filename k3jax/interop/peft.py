@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from k3jax import storage
 from k3jax.config import LoRAConfig
 from k3jax.interop.hf_config import MODEL_TYPES, check_exportable
 from k3jax.interop.hf_names import LANGUAGE_MODEL_PREFIX, LAYER_RE, LINEAR, LINEAR_IN2, Binding, bindings, block_to_hf, \
@@ -69,6 +70,9 @@ def _target_modules(adapted: set[str], candidates: list[Binding], experts: list[
 def save_peft(model, path: str | os.PathLike, *, model_type: str, base_model_name_or_path: str | None = None) -> dict:
     """Write ``model``'s LoRA adapters (``model.add_lora``) as a PEFT adapter directory for the HF model of
     ``model_type``'s layout; returns the adapter config written. The tensors are float32."""
+    if storage.is_remote(path):  # a URL (gs://...): written locally, uploaded when complete
+        with storage.staged_upload(path) as local:
+            return save_peft(model, local, model_type=model_type, base_model_name_or_path=base_model_name_or_path)
     cfg: LoRAConfig | None = model.lora_config
     if cfg is None:
         raise ValueError("the model has no LoRA adapters to export (model.add_lora / a LoRA run's checkpoint)")
@@ -113,7 +117,7 @@ def save_peft(model, path: str | os.PathLike, *, model_type: str, base_model_nam
 
 
 def is_peft_dir(path: str | os.PathLike) -> bool:
-    path = pathlib.Path(path)
+    path = storage.path(path)
     return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
@@ -121,7 +125,7 @@ def load_peft(model, path: str | os.PathLike) -> None:
     """Attach the LoRA adapters of a PEFT adapter directory to ``model`` (a model without adapters, in
     place). Every tensor must land on a projection of the model (module names of any supported HF
     layout); weights the file does not adapt get ``B = 0`` adapters, which change nothing."""
-    path = pathlib.Path(path)
+    path = storage.local_copy(path)
     raw = json.loads((path / CONFIG_FILE).read_text())
     where = path / CONFIG_FILE
     if raw.get("peft_type") != "LORA":

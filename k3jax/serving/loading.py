@@ -1,26 +1,29 @@
 """A trained model and its tokenizer for inference (``infer.py``, the server, ``k3jax.eval``): a
 checkpoint directory written by ``train.py`` (``<run>/checkpoints``, the latest step unless
 ``step``), a run directory containing one, or a Hugging Face model directory (a ``to_hf`` /
-``k3jax.convert`` export; MXFP4-packed experts stay packed)."""
+``k3jax.convert`` export; MXFP4-packed experts stay packed). Any of them may be a URL
+(``gs://bucket/run``; ``k3jax/storage.py``): orbax reads checkpoints from the bucket, a Hugging Face
+directory is downloaded once into the local cache."""
 
 from __future__ import annotations
 
 import pathlib
 
-from k3jax import checkpoint
+from k3jax import checkpoint, storage
 from k3jax.config import Config
 from k3jax.data.tokenizers import load_tokenizer
 
 
-def checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
-    """The checkpoint directory of ``path`` (a run directory's ``checkpoints/``, else ``path``)."""
-    p = pathlib.Path(path)
+def checkpoint_dir(path: str | pathlib.Path):
+    """The checkpoint directory of ``path`` (a run directory's ``checkpoints/``, else ``path``): a
+    ``pathlib.Path``, or an ``etils.epath.Path`` for a URL."""
+    p = storage.path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint path {p} does not exist")
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
 
 
-def is_hf_dir(path: pathlib.Path) -> bool:
+def is_hf_dir(path) -> bool:
     """A Hugging Face model directory: config.json and safetensors weights."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
@@ -51,5 +54,5 @@ def load_checkpoint_tokenizer(path: str | pathlib.Path, cfg: Config):
     ``train.data.tokenizer``."""
     ckpt = checkpoint_dir(path)
     if is_hf_dir(ckpt):
-        return load_tokenizer(str(ckpt), source=f"{ckpt} (or name a tokenizer)")
+        return load_tokenizer(str(storage.local_copy(ckpt)), source=f"{ckpt} (or name a tokenizer)")
     return load_tokenizer(cfg.train.data.tokenizer, source=f"train.data.tokenizer of {ckpt}")

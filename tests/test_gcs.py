@@ -1,0 +1,219 @@
+"""gs:// paths against a GCS emulator started by the test (tests/gcs_emulator.py): k3jax.storage's rule, the
+run lock as a generation-checked lease, data read from a bucket (and a file removed mid-run), and the main
+job's run in a bucket: trained, stopped by SIGTERM, resumed to an uninterrupted run's losses bit for bit,
+read back by infer.py and the server's loader, with nothing written to the local disk but caches."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cpu_devices import subprocess_env
+from gcs_emulator import BUCKET, gcs_emulator
+from k3jax import compile_cache, run_lock, storage
+from k3jax.data.sources import BadRecordError, GuardedRecords, JsonlDocuments, open_documents
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The main job's config (tiny K3), two layers on short rows, checkpointed every 4 steps.
+SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32", "train.batch_size=4",
+         "train.grad_accum=2", "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with gcs_emulator() as env:
+        import fsspec
+
+        yield env, fsspec.filesystem("gcs")
+
+
+def _docs(n: int) -> list[str]:
+    text = storage.read_text(ROOT / "k3jax" / "data" / "corpus" / "kjv.txt")
+    return [d for d in text.split("\n\n") if d.strip()][:n]
+
+
+def test_local_paths_stay_pathlib(tmp_path):
+    assert storage.path(tmp_path / "a") == pathlib.Path(tmp_path / "a")
+    assert isinstance(storage.path(str(tmp_path)), pathlib.Path)
+    assert storage.path(f"file://{tmp_path}") == tmp_path
+    assert not storage.is_remote(tmp_path) and storage.is_remote("gs://b/x") and storage.scheme("s3://b") == "s3"
+    storage.write_text(tmp_path / "f.txt", "one")
+    storage.write_text(tmp_path / "f.txt", "two")  # replaced whole, no temporary left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+    assert storage.read_range(tmp_path / "f.txt", 1, 2) == b"wo"
+    assert storage.local_copy(tmp_path / "f.txt") == tmp_path / "f.txt"
+
+
+def test_storage_on_a_bucket(gcs, tmp_path, monkeypatch):
+    _, fs = gcs
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    root = f"gs://{BUCKET}/storage"
+    storage.write_text(f"{root}/a/x.jsonl", "0123456789")
+    storage.write_bytes(f"{root}/a/y.txt", b"y")
+    assert storage.exists(f"{root}/a/x.jsonl") and storage.is_dir(f"{root}/a") and not storage.exists(f"{root}/zz")
+    assert [p.name for p in storage.glob(f"{root}/a/*.jsonl")] == ["x.jsonl"]
+    assert str(storage.glob(f"{root}/*/y.txt")[0]) == f"{root}/a/y.txt"
+    assert storage.read_range(f"{root}/a/x.jsonl", 3, 4) == b"3456"
+    log = storage.open_for_append(f"{root}/log.jsonl")
+    log.write("1\n")
+    log.flush()
+    assert storage.read_text(f"{root}/log.jsonl") == "1\n"
+    log.write("2\n")
+    log.close()
+    again = storage.open_for_append(f"{root}/log.jsonl")  # an append continues the object
+    again.write("3\n")
+    again.close()
+    assert storage.read_text(f"{root}/log.jsonl") == "1\n2\n3\n"
+    local = storage.local_copy(f"{root}/a")
+    assert local.is_relative_to(tmp_path / "cache") and (local / "x.jsonl").read_text() == "0123456789"
+    with storage.staged_upload(f"{root}/up") as d:
+        (d / "sub").mkdir()
+        (d / "sub" / "f.bin").write_bytes(b"abc")
+    assert storage.read_bytes(f"{root}/up/sub/f.bin") == b"abc"
+    storage.rmtree(f"{root}/up")
+    assert not storage.exists(f"{root}/up/sub/f.bin")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_run_lock_on_a_bucket_is_a_generation_checked_lease(gcs):
+    _, fs = gcs
+    run = f"gs://{BUCKET}/locked"
+    url = f"{run}/{run_lock.LOCK_FILE}"
+    with run_lock.lock_run_dir(run):
+        fs.invalidate_cache()
+        assert fs.cat_file(url).decode().split()[:2] == [str(os.getpid()), socket.gethostname()]
+        with pytest.raises(run_lock.RunLockedError, match=f"in use by process {os.getpid()} on"):
+            with run_lock.lock_run_dir(run):
+                pass
+        # the lock's object only changes under a matching generation: a stale writer gets HTTP 412
+        obj = run_lock._GcsObject(url)
+        with pytest.raises(FileExistsError):
+            obj.write(b"intruder", 0)
+        with pytest.raises(FileExistsError):
+            obj.write(b"intruder", obj.read()[1] + 1)
+    fs.invalidate_cache()
+    assert not fs.exists(url)  # released
+    # a holder that died without releasing: its PID is dead on this host, so the lease is taken over
+    fs.pipe_file(url, f"{_dead_pid()} {socket.gethostname()} 2026-01-01T00:00:00\n".encode())
+    with run_lock.lock_run_dir(run):
+        fs.invalidate_cache()
+        assert fs.cat_file(url).decode().startswith(f"{os.getpid()} ")
+    # another host's holder, renewed moments ago: live, whatever its PID
+    fs.pipe_file(url, b"1 elsewhere 2026-01-01T00:00:00\n")
+    with pytest.raises(run_lock.RunLockedError, match="process 1 on elsewhere"):
+        with run_lock.lock_run_dir(run):
+            pass
+
+
+def test_run_lock_lease_expires_and_is_renewed(gcs, monkeypatch):
+    _, fs = gcs
+    run = f"gs://{BUCKET}/lease"
+    url = f"{run}/{run_lock.LOCK_FILE}"
+    monkeypatch.setattr(run_lock, "LEASE_S", 0.6)
+    fs.pipe_file(url, b"1 elsewhere 2026-01-01T00:00:00\n")
+    time.sleep(0.8)  # not renewed for longer than the lease: stale
+    with run_lock.lock_run_dir(run):
+        first = run_lock._GcsObject(url).read()[1]
+        time.sleep(0.7)  # the holder renews every LEASE_S / 3
+        assert run_lock._GcsObject(url).read()[1] != first
+        with pytest.raises(run_lock.RunLockedError):
+            with run_lock.lock_run_dir(run):
+                pass
+
+
+def test_jsonl_from_a_bucket_and_a_file_removed_mid_run(gcs):
+    _, fs = gcs
+    url = f"gs://{BUCKET}/data/docs.jsonl"
+    fs.pipe_file(url, "\n".join(json.dumps({"text": d}) for d in _docs(5)).encode())
+    docs = open_documents(url)
+    assert isinstance(docs, JsonlDocuments) and len(docs) == 5 and docs[3] == _docs(5)[3]
+    assert len(open_documents(f"gs://{BUCKET}/data/*.jsonl")) == 5
+    fs.rm(url)
+    with pytest.raises(BadRecordError, match=r"docs.jsonl: record 2 \(line 3\): cannot be read .*FileNotFoundError"):
+        GuardedRecords(docs, "stop")[2]
+    skipping = GuardedRecords(docs, "skip")
+    assert skipping[2] is None and skipping[4] is None and skipping.skipped.count == 2
+    with pytest.raises(BadRecordError, match="every record of the source is bad"):
+        [skipping[i] for i in range(5)]
+
+
+def _losses(records):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+
+def _bucket_metrics(fs, run: str) -> list[dict]:
+    fs.invalidate_cache()
+    path = f"{BUCKET}/{run}/metrics.jsonl"
+    if not fs.exists(path):
+        return []
+    return [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_main_job_in_a_bucket_stops_on_sigterm_resumes_and_serves(gcs, tmp_path):
+    env_vars, fs = gcs
+    fs.pipe_file(f"{BUCKET}/data/bible.jsonl", "\n".join(json.dumps({"text": d}) for d in _docs(40)).encode())
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    # caches: the compiled programs (shared with the rest of the suite, elsewhere), the storage cache, temp files
+    env = subprocess_env(**env_vars, XDG_CACHE_HOME=str(cache), HOME=str(tmp_path / "home"), TMPDIR=str(cache / "tmp"),
+                         K3JAX_COMPILE_CACHE=str(compile_cache.resolve() or "off"),
+                         MPLCONFIGDIR=str(cache / "matplotlib"))  # matplotlib's font cache (else under ~/.config)
+    (cache / "tmp").mkdir(parents=True)
+
+    def cmd(run):
+        return [sys.executable, str(ROOT / "train.py"), "--sample-tokens", "0", *SMALL, f"train.steps={STEPS}",
+                f"run_dir=gs://{BUCKET}/{run}", f"train.data.source=gs://{BUCKET}/data/*.jsonl"]
+
+    straight = subprocess.run(cmd("straight"), env=env, cwd=work, capture_output=True, text=True, timeout=900)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    proc = subprocess.Popen(cmd("run"), env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 900
+    while len(_losses(_bucket_metrics(fs, "run"))) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # a preempted VM: finish the step, save, exit 143
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 143, out[-3000:]
+    stopped_at = max(step for step, _, _ in _losses(_bucket_metrics(fs, "run")))
+    assert 3 <= stopped_at < STEPS and "SIGTERM: stopped at step" in out, out[-3000:]
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/run/checkpoints/{stopped_at}/commit_success.txt")
+    assert not fs.exists(f"{BUCKET}/run/{run_lock.LOCK_FILE}")  # released on the way out
+
+    resumed = subprocess.run(cmd("run"), env=env, cwd=work, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from gs://{BUCKET}/run/checkpoints at step {stopped_at}" in resumed.stdout + resumed.stderr
+    want, got = _losses(_bucket_metrics(fs, "straight")), _losses(_bucket_metrics(fs, "run"))
+    assert len(want) == STEPS and got == want  # bit for bit
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/run/loss.png") and fs.find(f"{BUCKET}/run/tensorboard")
+
+    infer = subprocess.run([sys.executable, str(ROOT / "infer.py"), "--checkpoint", f"gs://{BUCKET}/run",
+                            "--prompt", "And", "--max-new-tokens", "4", "--temperature", "0"],
+                           env=env, cwd=work, capture_output=True, text=True, timeout=600)
+    assert infer.returncode == 0 and infer.stdout.startswith("And"), infer.stdout[-2000:] + infer.stderr[-3000:]
+
+    from k3jax.serving.loading import load_checkpoint_tokenizer, load_model
+
+    model, cfg = load_model(f"gs://{BUCKET}/run")
+    assert cfg.train.steps == STEPS and load_checkpoint_tokenizer(f"gs://{BUCKET}/run", cfg).vocab_size <= 256
+    logits, _ = model(np.asarray([[65, 110, 100]], np.int32))
+    assert np.isfinite(np.asarray(logits)).all()
+
+    # nothing on the local disk but caches: the working directory is empty, the rest is under the cache
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "work"]
