@@ -47,11 +47,11 @@ def _intra_fwd_kernel(*refs, cfg, exact, has_seg):
         rows = tile_rows(a)
         w_ref[rows, :] = f.W[a].astype(w_ref.dtype)
         u_ref[rows, :] = U[a]
-        kout_ref[rows, :] = f.k_out[a].astype(kout_ref.dtype)
-        qg_ref[rows, :] = f.Qg[a].astype(qg_ref.dtype)
+        kout_ref[rows, :] = f.wy.k_out[a].astype(kout_ref.dtype)
+        qg_ref[rows, :] = f.wy.Qg[a].astype(qg_ref.dtype)
         for b in range(cfg.NC):  # the upper tiles are written as zeros: the kernels after read [C, C]
             A_ref[rows, tile_rows(b)] = (f.A_qk[a, b] if b <= a else zero).astype(A_ref.dtype)
-    decay_ref[...] = f.decay
+    decay_ref[...] = f.wy.decay
 
 
 def intra_forward(q, k, kb, vb, Gs, seg, *, cfg, exact, B, H, N):
@@ -93,7 +93,10 @@ def _intra_bwd_kernel(*refs, cfg, exact, has_seg):
                                             dSp=dhs_ref[:, cols], mmdt=cfg.mmdt)
         for a in range(NC):
             dvb_ref[tile_rows(a), cols] = dvb[a].astype(dvb_ref.dtype)
-    dq, dk, dkb, dGs = _tiles.intra_backward(ch, f, sums, exact=exact, mmdt=cfg.mmdt)
+    # the K side from the chunk loaded again: after the dvb stores, so the compiler cannot merge the loads
+    # and keep the first load's [16, K] operands alive across the V loop (docs/kernels.md, shared memory)
+    ch = load_chunk(q_ref, k_ref, kb_ref, None, gs_ref, seg_ref, cfg, exact)
+    dq, dk, dkb, dGs = _tiles.intra_backward(ch, f.inv, sums, exact=exact, mmdt=cfg.mmdt)
     for a in range(NC):
         rows = tile_rows(a)
         dq_ref[rows, :] = (dq[a] * cfg.scale).astype(dq_ref.dtype)

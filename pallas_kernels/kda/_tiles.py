@@ -166,25 +166,21 @@ def exact_pair_sum(lhs_p, k_p, Gs_p):
 
 
 def scores(ch, gt, exact, mmdt):
-    """Lower tiles of ``A_qk`` and ``A_kk`` (before masking): ``{(a, b): [BC, BC]}`` fp32, plus the operands
-    the backward reuses: ``xq[a] = q_a exp(Gs_a)``, ``xk[a] = kb_a exp(Gs_a)`` and ``KF[(a, b)] = k_b F_ab``
-    (mmdt; None for exact diagonal tiles)."""
-    xq = [ch.q[a] * gt.eq[a] for a in range(ch.NC)]
-    xk = [ch.kb[a] * gt.eq[a] for a in range(ch.NC)]
-    A_qk, A_kk, KF = {}, {}, {}
+    """Lower tiles of ``A_qk`` and ``A_kk`` (before masking): ``{(a, b): [BC, BC]}`` fp32, from the operands
+    ``q_a exp(Gs_a)`` / ``kb_a exp(Gs_a)`` and ``k_b F_ab`` (exact diagonal tiles: per-pair exponents)."""
+    A_qk, A_kk = {}, {}
     for a in range(ch.NC):
-        xq_m, xk_m = xq[a].astype(mmdt), xk[a].astype(mmdt)
+        xq_m, xk_m = (ch.q[a] * gt.eq[a]).astype(mmdt), (ch.kb[a] * gt.eq[a]).astype(mmdt)
         for b in range(a + 1):
             F = gt.factor(a, b, exact)
             if F is None:
-                KF[a, b] = None
                 A_qk[a, b] = _sum([exact_pair_sum(q, k, g) for q, k, _, g in ch.pieces[a]])
                 A_kk[a, b] = _sum([exact_pair_sum(kb, k, g) for _, k, kb, g in ch.pieces[a]])
-                continue
-            KF[a, b] = (ch.k[b] * F).astype(mmdt)
-            A_qk[a, b] = mm(xq_m, KF[a, b], trans_b=True)
-            A_kk[a, b] = mm(xk_m, KF[a, b], trans_b=True)
-    return A_qk, A_kk, xq, xk, KF
+            else:
+                KF = (ch.k[b] * F).astype(mmdt)
+                A_qk[a, b] = mm(xq_m, KF, trans_b=True)
+                A_kk[a, b] = mm(xk_m, KF, trans_b=True)
+    return A_qk, A_kk
 
 
 def block_unit_lower_inverse(L, NC, BC, precision):
@@ -203,52 +199,55 @@ def block_unit_lower_inverse(L, NC, BC, precision):
 
 
 @dataclasses.dataclass
-class Intra:
-    """The chunk-local (state-independent) quantities of one chunk, all lists of NC ``[BC, *]`` tiles or
-    dicts of lower ``[BC, BC]`` tiles, fp32 unless noted.
+class WY:
+    """The WY factors of one chunk (fp32; NC x [BC, K] unless noted): Wr = ``exp(G) kb`` (times
+    reads_state), Qg = ``q exp(G)`` (times reads_state), k_out = ``k exp(G_last - G)`` (times in_last),
+    decay = ``exp(G_last)`` [1, K] (times no_reset): ``W = Inv Wr`` reads the state (``delta = U - W S``),
+    ``o = Qg S + A_qk delta``, ``S' = Diag(decay) S + k_out^T delta``. rs, il: reads_state / in_last
+    (None without segments)."""
 
-    A_qk: masked output scores; inv / inv_m: ``(I + L)^-1`` (fp32 / mmdt); Wr = ``exp(G) kb`` (times
-    reads_state), W = ``Inv Wr`` (the state's read-out weights, ``delta = U - W S``); Qg = ``q exp(G)``
-    (times reads_state); k_out = ``k exp(G_last - G)`` (times in_last); decay = ``exp(G_last)`` [1, K]
-    (times no_reset): the state update is ``S' = Diag(decay) S + k_out^T delta``. gt, xq, xk, KF: the gate
-    factors and score operands the backward reuses; rs, il: reads_state / in_last (None without segments).
-    """
-
-    gt: Gate
-    A_qk: dict
-    inv: dict
-    inv_m: dict
     Wr: list
-    W: list
     Qg: list
     k_out: list
     decay: object
-    xq: list
-    xk: list
-    KF: dict
     rs: list
     il: list
+
+
+def wy_factors(ch: Chunk, gt: Gate) -> WY:
+    rs, il, no_reset = _seg_vecs(ch)
+    return WY(Wr=[_times(gt.eG[b] * ch.kb[b], rs[b]) for b in range(ch.NC)],
+              Qg=[_times(ch.q[a] * gt.eG[a], rs[a]) for a in range(ch.NC)],
+              k_out=[_times(ch.k[b] * gt.k_end[b], il[b]) for b in range(ch.NC)],
+              decay=_times(jnp.exp(gt.G_last), no_reset), rs=rs, il=il)
+
+
+@dataclasses.dataclass
+class Intra:
+    """The chunk-local (state-independent) quantities of one chunk: A_qk, the masked output scores (lower
+    ``[BC, BC]`` tiles); inv / inv_m, ``(I + L)^-1`` (fp32 / mmdt tiles); W = ``Inv Wr`` (NC x [BC, K]);
+    wy, the ``WY`` factors."""
+
+    A_qk: dict
+    inv: dict
+    inv_m: dict
+    W: list
+    wy: WY
 
 
 def intra(ch: Chunk, *, exact, mmdt) -> Intra:
     """Scores, triangular inverse and WY weights of one chunk: no state involved, so every chunk of every
     head is independent (the chunk-parallel kernels)."""
-    NC = ch.NC
     gt = Gate(ch)
-    A_qk, A_kk, xq, xk, KF = scores(ch, gt, exact, mmdt)
+    A_qk, A_kk = scores(ch, gt, exact, mmdt)
     A_qk = {ab: _apply(_mask(ch, *ab, strict=False), t) for ab, t in A_qk.items()}
     L = {ab: _apply(_mask(ch, *ab, strict=True), t) for ab, t in A_kk.items()}
-    inv = block_unit_lower_inverse(L, NC, ch.BC, inv_precision(mmdt))
-    rs, il, no_reset = _seg_vecs(ch)
+    inv = block_unit_lower_inverse(L, ch.NC, ch.BC, inv_precision(mmdt))
     inv_m = {ab: t.astype(mmdt) for ab, t in inv.items()}
-    Wr = [_times(gt.eG[b] * ch.kb[b], rs[b]) for b in range(NC)]  # [BC, K]
-    Wr_m = [w.astype(mmdt) for w in Wr]
-    W = [_sum([mm(inv_m[a, b], Wr_m[b]) for b in range(a + 1)]) for a in range(NC)]  # [BC, K]
-    Qg = [_times(ch.q[a] * gt.eG[a], rs[a]) for a in range(NC)]
-    k_out = [_times(ch.k[b] * gt.k_end[b], il[b]) for b in range(NC)]
-    decay = _times(jnp.exp(gt.G_last), no_reset)  # [1, K] decay of the incoming state over the chunk
-    return Intra(gt=gt, A_qk=A_qk, inv=inv, inv_m=inv_m, Wr=Wr, W=W, Qg=Qg, k_out=k_out, decay=decay, xq=xq,
-                 xk=xk, KF=KF, rs=rs, il=il)
+    wy = wy_factors(ch, gt)
+    Wr_m = [w.astype(mmdt) for w in wy.Wr]
+    W = [_sum([mm(inv_m[a, b], Wr_m[b]) for b in range(a + 1)]) for a in range(ch.NC)]
+    return Intra(A_qk=A_qk, inv=inv, inv_m=inv_m, W=W, wy=wy)
 
 
 def wy_values(f: Intra, vb):
@@ -304,13 +303,20 @@ def v_block_backward(f: Intra, sums: VSums, *, vb, delta, ddelta, dO, S, dSp, mm
     return dvb, sums
 
 
-def intra_backward(ch: Chunk, f: Intra, sums: VSums, *, exact, mmdt):
-    """The K side of one chunk's backward, from the V sums: returns ``(dq, dk, dkb, dGs)``, NC x [BC, K]
-    fp32 each (dq with respect to the *scaled* q, dGs to the sub-tile cumsum); see ``_math.chunk_backward``
-    for the derivation."""
+def intra_backward(ch: Chunk, inv, sums: VSums, *, exact, mmdt):
+    """The K side of one chunk's backward, from the V sums and the inverse's fp32 tiles ``inv``: returns
+    ``(dq, dk, dkb, dGs)``, NC x [BC, K] fp32 each (dq with respect to the *scaled* q, dGs to the sub-tile
+    cumsum); see ``_math.chunk_backward`` for the derivation.
+
+    The gate factors and score operands are rebuilt here from ``ch`` rather than kept from ``intra``: a GPU
+    kernel passes a chunk loaded afresh after its V loop, so that the ``[BC, K]`` operands do not stay alive
+    (in registers and in the shared-memory buffers of their products) across the whole kernel. Keeping
+    them made the fp32 backward ask for 250 KiB of shared memory (the limit is 227)."""
     NC, BC = ch.NC, ch.BC
-    gt, inv, inv_m = f.gt, f.inv, f.inv_m
-    Wr, Qg, k_out, rs, il = f.Wr, f.Qg, f.k_out, f.rs, f.il
+    gt = Gate(ch)
+    wy = wy_factors(ch, gt)
+    Wr, Qg, k_out, rs, il = wy.Wr, wy.Qg, wy.k_out, wy.rs, wy.il
+    inv_m = {ab: t.astype(mmdt) for ab, t in inv.items()}
     prec = inv_precision(mmdt)
     dk_out, dQg, dW = sums.dk_out, sums.dQg, sums.dW
     dA_qk = {ab: _apply(_mask(ch, *ab, strict=False), t) for ab, t in sums.dA_qk.items()}
@@ -329,16 +335,16 @@ def intra_backward(ch: Chunk, f: Intra, sums: VSums, *, exact, mmdt):
     dkb = [_times(dWr[a] * gt.eG[a], rs[a]) for a in range(NC)]
     dk = [_times(dk_out[a] * gt.k_end[a], il[a]) for a in range(NC)]
     dG = [dWr[a] * Wr[a] + dQg[a] * Qg[a] - dk_out[a] * k_out[a] for a in range(NC)]
-    dG_last = sums.dG_last * f.decay + _sum([colsum(dk_out[a] * k_out[a]) for a in range(NC)])
+    dG_last = sums.dG_last * wy.decay + _sum([colsum(dk_out[a] * k_out[a]) for a in range(NC)])
     # ---- scores: A[i, j] = sum_d x_id k_jd exp(G_id - G_jd) -> dx, dk and dG = x dx - k dk
     dxq, dxk, dks = [], [], [jnp.zeros_like(t) for t in ch.k]
     dAq_m = {ab: t.astype(mmdt) for ab, t in dA_qk.items()}
     dL_m = {ab: t.astype(mmdt) for ab, t in dL.items()}
-    for a in range(NC):
-        xq_m, xk_m = f.xq[a].astype(mmdt), f.xk[a].astype(mmdt)
+    for a in range(NC):  # the operands are formed where they are used: short live ranges (see above)
+        xq_m, xk_m = (ch.q[a] * gt.eq[a]).astype(mmdt), (ch.kb[a] * gt.eq[a]).astype(mmdt)
         terms_q, terms_k = [], []
         for b in range(a + 1 - int(exact)):  # anchored tiles: A = (q exp(Gs_i)) (k F)^T
-            KF = f.KF[a, b]
+            KF = (ch.k[b] * gt.factor(a, b, exact)).astype(mmdt)
             terms_q.append(mm(dAq_m[a, b], KF))
             terms_k.append(mm(dL_m[a, b], KF))
             dKF = mm(dAq_m[a, b], xq_m, trans_a=True) + mm(dL_m[a, b], xk_m, trans_a=True)  # [BC(j), K]
