@@ -325,6 +325,7 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
     return "; ".join(out)
 
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "directory_of", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS", "latest_step", "load_base",
+__all__ = ["CheckpointError", "CheckpointSaveError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS",
+           "directory_of", "latest_step", "load_base",
            "manager", "resolve_base", "restore_adapters", "restore_base", "restore_config", "restore_model", "restore_train_state",
            "save_model", "save_train_state", "train_items"]

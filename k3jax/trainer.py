@@ -75,18 +75,15 @@ class _StopRequest(contextlib.AbstractContextManager):
     caught half-donated); a second one interrupts at once."""
 
     def __init__(self):
-        self.signal: str | None = None  # "SIGINT" / "SIGTERM" once requested
+        self.signum = 0  # the signal's number once requested
         self._previous = {}
 
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.signum:
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        tqdm.write(f"{self.signal}: finishing this step, then saving a checkpoint (send it again to abort)")
+        self.signum = signum
+        tqdm.write(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint (send it again "
+                   f"to abort)")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -99,13 +96,23 @@ class _StopRequest(contextlib.AbstractContextManager):
 
 
 def _agreed(flag: bool) -> bool:
-    """``flag`` of any process, seen by all (a Ctrl-C reaches one host; every host must stop at the
-    same step, or the others would wait forever in the next step's collectives)."""
+    """``flag`` of any process, seen by all (process 0's lock outcome)."""
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _agreed_stop(signum: int) -> int:
+    """The stop signal any process received (0: none), seen by all: a signal reaches one host (or the
+    hosts at different moments), and every host must stop and save at the same step, or the checkpoint
+    would be torn and the others would wait forever in the next step's collectives."""
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(signum, np.int32))))
 
 
 def _print_main(text: str) -> None:
@@ -179,7 +186,7 @@ def _clear_run_dir(out) -> None:
     for child in out.iterdir():
         if child.name == LOCK_FILE:
             continue
-        if child.is_dir() and not child.is_symlink():
+        if child.is_dir() and (storage.is_remote(child) or not child.is_symlink()):  # no links in a bucket
             storage.rmtree(child)
         else:
             child.unlink()
@@ -383,17 +390,19 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     skips_logged = 0
     try:
         with _StopRequest() as stop:
-            while step < tc.steps and not _agreed(stop.requested):
+            stop_signal = _agreed_stop(stop.signum)
+            while step < tc.steps and not stop_signal:
                 state, metrics = step_fn(state, next(batches))
                 step += 1
                 bar.update(1)
                 tokens_seen += float(metrics["tokens"])
+                stop_signal = _agreed_stop(stop.signum)  # once per step: every process stops after this one
                 if bool(metrics["finite"]):
                     nonfinite.clear()
                 else:
                     nonfinite.append(step)
                     tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
-                    if tc.max_nonfinite_steps and len(nonfinite) >= tc.max_nonfinite_steps:
+                    if tc.max_nonfinite_steps and len(nonfinite) >= tc.max_nonfinite_steps and not stop_signal:
                         saver.wait()
                         state, step = _roll_back(cfg, mesh, mngr, base, nonfinite, rolled_back_to)
                         log.roll_back(step)
@@ -419,7 +428,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
                     window.update(tokens=0, trained_tokens=0)
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
-                if step % tc.checkpoint_every == 0 or step == tc.steps or _agreed(stop.requested):
+                if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
                     saver.save(step, state)
                     saved_step = step
             saver.wait()
@@ -435,10 +444,10 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     mngr.close()
     if step < tc.steps:
         log.close()
-        _print_main(f"{stop.signal}: stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
+        name = signal.Signals(stop_signal).name
+        _print_main(f"{name}: stopped at step {step}; checkpoint {saved_step} saved in {out / 'checkpoints'}. "
                     f"Run the same command to resume.")
-        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "",
-                "interrupted": stop.signal}
+        return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": "", "interrupted": name}
 
     if eval_fn is not None:
         eval_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
@@ -463,4 +472,5 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
             "interrupted": None}
 
 
-__all__ = ["DivergenceError", "STOP_SIGNALS", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "train"]
+__all__ = ["DivergenceError", "STOP_SIGNALS", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from",
+           "train"]

@@ -217,3 +217,45 @@ def test_main_job_in_a_bucket_stops_on_sigterm_resumes_and_serves(gcs, tmp_path)
     # nothing on the local disk but caches: the working directory is empty, the rest is under the cache
     assert list(work.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "work"]
+
+
+def test_checkpoints_and_hf_directories_in_a_bucket(gcs, tmp_path, monkeypatch):
+    """save / restore_model, to_hf / from_hf and k3jax.convert between URLs: the same weights back."""
+    import jax
+    from flax import nnx
+
+    from k3jax import checkpoint, convert, create_model
+    from k3jax.config import load_config
+    from k3jax.interop import from_hf, to_hf
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    model = create_model(cfg.model, seed=3)
+    want = jax.tree.leaves(nnx.state(model, nnx.Param))
+
+    def same(other):
+        got = jax.tree.leaves(nnx.state(other, nnx.Param))
+        return len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got))
+
+    checkpoint.save_model(f"gs://{BUCKET}/ckpt", model, cfg, step=5)
+    assert checkpoint.latest_step(f"gs://{BUCKET}/ckpt") == 5
+    assert same(checkpoint.restore_model(f"gs://{BUCKET}/ckpt")[0])
+    to_hf(model, f"gs://{BUCKET}/hf", model_type="kimi_k3", max_shard_size="200KB")
+    assert len(storage.glob(f"gs://{BUCKET}/hf/*.safetensors")) > 1  # sharded, uploaded whole
+    assert same(from_hf(f"gs://{BUCKET}/hf"))
+    assert convert.main(["--from-hf", f"gs://{BUCKET}/hf", "--to-orbax", f"gs://{BUCKET}/converted",
+                         "--no-progress"]) == 0
+    assert same(checkpoint.restore_model(f"gs://{BUCKET}/converted")[0])
+    assert not any(p.name != "cache" for p in tmp_path.iterdir())  # downloads only into the storage cache
+
+
+def test_fresh_clears_a_bucket_run_dir_but_its_lock(gcs):
+    from k3jax.trainer import _clear_run_dir
+
+    run = f"gs://{BUCKET}/fresh"
+    for name in ("config.yaml", "checkpoints/2/x", "tensorboard/e", run_lock.LOCK_FILE):
+        storage.write_text(f"{run}/{name}", name)
+    _clear_run_dir(storage.path(run))
+    _, fs = gcs
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/fresh")] == [run_lock.LOCK_FILE]

@@ -287,5 +287,5 @@ def batch_summary(batch: dict[str, np.ndarray]) -> dict[str, Any]:
             "pieces_per_row": float(seg.max(axis=1).mean())}
 
 
-__all__ = ["DocumentToPieces", "GuardedPieces", "IndexedDocuments", "batch_summary", "document_hash", "local_batch_size",
-           "make_train_dataset", "report_chat_counts", "split_indices"]
+__all__ = ["DocumentToPieces", "GuardedPieces", "IndexedDocuments", "batch_summary", "document_hash",
+           "local_batch_size", "make_train_dataset", "report_chat_counts", "split_indices"]
