@@ -15,11 +15,16 @@ Log-probabilities (``k3jax.serving.logprobs``: the model's, before temperature a
 (the prompt's text and tokens first; with ``max_tokens: 0`` the request only scores its prompt);
 chat ``logprobs: true`` and ``top_logprobs: k``. Streamed too, each chunk with its tokens' entries.
 
-Tools (chat): ``tools`` (``tool_choice``: ``auto``, or ``none`` to not offer them), the history's
-assistant ``tool_calls`` / ``reasoning_content`` and ``tool`` messages go to the checkpoint's chat
-format (``k3jax.data.chat.chat_prompt``). A checkpoint in K3's format (XTML) has its turn parsed back
+Tools (chat): ``tools``, the history's assistant ``tool_calls`` / ``reasoning_content`` and ``tool``
+messages go to the checkpoint's chat format (``k3jax.data.chat.chat_prompt``). A checkpoint in K3's
+format (XTML) or with K2 / Kimi Linear's jinja template has its turn parsed back
 (``k3jax.serving.assistant_reply``) into ``reasoning_content``, ``content`` and ``tool_calls``
 (``finish_reason: tool_calls``), streamed as deltas too; other formats return the raw text.
+``tool_choice``: ``auto``, ``none`` (the tools are not offered), ``required`` or a named function
+(``{"type": "function", "function": {"name": ...}}``), prompted as the format allows
+(``assistant_reply.forced_prefix``); a call of another function than the named one is malformed markup
+(plain content, ``finish_reason: stop``). Chat replies stop at the format's end-of-turn tokens
+(``k3jax.data.chat.reply_stop_ids``: the transcript's end-of-turn byte for the byte tokenizer).
 Extension (as in vLLM): ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
 each choice.
 
@@ -45,7 +50,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from k3jax.serving.assistant_reply import ReplyStream, parse_reply, renders_xtml
+from k3jax.data.chat import reply_stop_ids
+from k3jax.serving.assistant_reply import forced_prefix, parse_reply, reply_stream
 from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
 from k3jax.serving.logprob_fields import CompletionLogprobs, chat_content
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
@@ -120,13 +126,27 @@ class Tool(_Strict):
     function: Function
 
 
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None  # "none": the tools are not offered
+    # "none": the tools are not offered; "required" / a named function: the turn must call one
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
 
 class TokenizeRequest(_Strict):
@@ -209,13 +229,30 @@ class _Channel:
         return on_token, on_finish
 
 
+class _Turn:
+    """How a chat request's turns are read back: the chat format's parser (none: plain text), the
+    function a named tool_choice allows and the text the prompt started the turn with."""
+
+    def __init__(self, tokenizer, only: str | None, start: str):
+        self.tokenizer, self.only, self.start = tokenizer, only, start
+        self.parsed = reply_stream(tokenizer) is not None
+
+    def stream(self):
+        return reply_stream(self.tokenizer, self.only)
+
+    def parse(self, text: str):
+        return parse_reply(self.start + text, self.stream())
+
+
 class _Choice:
     """One sequence of a request: its engine request, its text so far and its tokens' log-probabilities."""
 
     def __init__(self, index: int, seq: Sequence, text: TextStream, logprobs: CompletionLogprobs | None,
-                 reply: ReplyStream | None):
+                 turn: _Turn | None):
         self.index, self.seq, self.text, self.logprobs = index, seq, text, logprobs
-        self.reply = reply  # chat in K3's format: the turn parsed into reasoning, content and tool calls
+        self.turn = turn  # a chat format with markup: how the turn is parsed
+        # the turn parsed into reasoning, content and tool calls as it streams
+        self.reply = turn.stream() if turn is not None else None
         self.ids: list[int] = []  # generated ids handed out (no stop token)
         self.entries: list[TokenLogprobs] = []
         self.parts: list[str] = []
@@ -289,18 +326,36 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     async def chat_completions(request: Request):
         return await _handle(request, chat=True)
 
+    def turn_start(req: ChatRequest) -> tuple[dict, str]:
+        """(extra chat-template arguments, the text the turn starts with) for the request's tool_choice."""
+        choice, name = req.tool_choice, req.forced_function
+        if choice == "required" or name is not None:
+            if not req.tools:
+                raise BadRequest("tool_choice 'required' or a named function needs tools", "tool_choice")
+            if name is not None and name not in {t.function.name for t in req.tools}:
+                raise BadRequest(f"tool_choice names the function '{name}', which is not in tools", "tool_choice")
+            try:
+                return forced_prefix(tokenizer, "function" if name is not None else "required", name)
+            except ValueError as e:
+                raise BadRequest(str(e), "tool_choice") from None
+        return {}, ""
+
     def prompt_ids(req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
-        """The request's prompts as token ids (chat: one)."""
+        """The request's prompts as token ids (chat: one, ending with the turn's forced start)."""
         if chat:
             messages = [{**m.model_dump(exclude_none=True, exclude={"content"}),
                          "content": m.content if isinstance(m.content, str) else
                          "".join(p.text for p in m.content or [])} for m in req.messages]
             offered = req.tools if req.tools and req.tool_choice != "none" else None
             tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
+            template_args, start = turn_start(req)
             try:
-                return [chat_prompt(tokenizer, messages, tools)]
+                ids = (list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                          **template_args))
+                       if template_args else chat_prompt(tokenizer, messages, tools))
             except Exception as e:  # a template that rejects the conversation (e.g. role order)
                 raise BadRequest(f"cannot render the chat template: {e}", "messages") from None
+            return [ids + (tokenizer.encode(start, allow_special=True) if start else [])]
         prompt = req.prompt
         many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         out = []
@@ -351,7 +406,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         if len(prompts) * n > engine.max_batch + engine.max_queue:
             raise BadRequest(f"{len(prompts)} prompt(s) x n={n} sequences; this server takes at most "
                              f"{engine.max_batch + engine.max_queue} at once", "n" if n > 1 else "prompt")
-        stops = tuple(getattr(tokenizer, "stop_ids", ())) or (
+        stops = reply_stop_ids(tokenizer) if chat else tuple(getattr(tokenizer, "stop_ids", ())) or (
             (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ())
         params = []
         for ids in prompts:
@@ -391,12 +446,13 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             return error_response(e.status, e.message, e.param)
         channel = _Channel(asyncio.get_running_loop())
         choices: list[_Choice] = []
+        turn = _Turn(tokenizer, req.forced_function, turn_start(req)[1]) if chat else None
         for prompt, prompt_params in zip(prompts, params):
             for p in prompt_params:
                 seq = Sequence(prompt, p, *channel.callbacks(len(choices)))
                 logprobs = None if chat or p.logprobs is None else CompletionLogprobs(tokenizer, p.logprobs)
                 choices.append(_Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs,
-                                       ReplyStream() if chat and renders_xtml(tokenizer) else None))
+                                       turn if turn is not None and turn.parsed else None))
 
         def cancel_all():
             for c in choices:
@@ -459,7 +515,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             entries = [logprobs] if logprobs is not None else []
             if c.reply is not None:  # the turn's parts as they complete
                 deltas = [reply.reply_delta(c, kind, value)
-                          for kind, value in c.reply.feed(c.text.emitted, final=reason is not None)]
+                          for kind, value in c.reply.feed(c.turn.start + c.text.emitted, final=reason is not None)]
                 if not deltas and (entries or (reply.token_ids and tokens)):
                     deltas = [{}]
                 for k, d in enumerate(deltas):
@@ -551,7 +607,7 @@ class _Reply:
         if c.reply is None or reason != "stop":
             return reason
         if text is not None:
-            return "tool_calls" if parse_reply(text).tool_calls else reason
+            return "tool_calls" if c.turn.parse(text).tool_calls else reason
         return "tool_calls" if c.reply.tool_calls and not c.reply.malformed else reason
 
     def usage_chunk(self, choices: list[_Choice]) -> dict:
@@ -566,7 +622,7 @@ class _Reply:
             if self.chat:
                 message = {"role": "assistant", "content": text}
                 if c.reply is not None:
-                    turn = parse_reply(text)
+                    turn = c.turn.parse(text)
                     message = {"role": "assistant", "content": turn.content or (None if turn.tool_calls else ""),
                                "reasoning_content": turn.reasoning}
                     if turn.tool_calls:
