@@ -6,6 +6,8 @@
     python -m k3jax.aot --config k3 --mode train --slice v5p-2048 --mesh fsdp=4,sequence=4,expert=64 --batch 256 \
         train.batch_size=256 model.remat=full model.moe.ep_capacity_factor=2.0 train.optim.muon_dtype=bfloat16
     python -m k3jax.aot --config k3 --mode decode --slice v5p-128 --mesh expert=64 --batch 1 --seq-len 1048576
+    python -m k3jax.aot --config k3 --mode prefill --slice v5p-128 --mesh expert=64 --seq-len 1048576 \
+        --prefill-chunk 16384
 
 ``jax[tpu]`` ships libtpu, whose compiler runs without a TPU: ``get_topology_desc`` describes the
 devices of a slice, a mesh is built on them (``k3jax.sharding.make_mesh``), and the *real* programs
@@ -16,6 +18,10 @@ are lowered from ``ShapeDtypeStruct`` arguments that carry the rule-derived shar
   allocated, the full K3 state builds in about a second), state donated.
 - ``decode``: one token of ``model(tokens, cache=cache)`` (the step ``k3jax.generate`` loops over)
   against a cache of ``seq_len`` slots (``model.init_cache``), cache donated.
+- ``prefill``: ``prefill_chunk`` prompt tokens per row of the same call, written into (and attending
+  over) a cache of ``seq_len`` slots: the program the serving engine's chunked prefill runs
+  ``seq_len / prefill_chunk`` times for a full-length prompt (the cache position is traced, so every
+  chunk is this program; the last one attends over the whole context).
 
 Fitting: every program is compiled with libtpu held to an HBM budget per device
 (``xla_tpu_max_hbm_size_mib``; the device's HBM, or ``--hbm-gib``). The compiler refuses a program
@@ -52,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -137,7 +144,7 @@ class Job:
     (train) or the cache length, i.e. the context (decode)."""
 
     config: str
-    mode: Literal["train", "decode"]
+    mode: Literal["train", "decode", "prefill"]
     slice: str
     mesh: MeshConfig
     batch: int
@@ -145,6 +152,7 @@ class Job:
     overrides: tuple[str, ...] = ()
     note: str = ""
     hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
+    prefill_chunk: int = 0  # prefill: prompt tokens per row and call (0: the whole context in one call)
 
     def load(self) -> Config:
         return load_config(self.config, list(self.overrides))
@@ -228,7 +236,8 @@ class Result:
 
     @property
     def tokens(self) -> int:
-        return self.job.batch * (self.job.seq_len if self.job.mode == "train" else 1)
+        per_row = {"train": self.job.seq_len, "decode": 1, "prefill": self.job.prefill_chunk or self.job.seq_len}
+        return self.job.batch * per_row[self.job.mode]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,23 +336,24 @@ def _lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, se
         return jitted.lower(*args)
 
 
-def _lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+def _lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int, new_tokens: int = 1):
+    """``new_tokens`` per row (1: a decode step; more: a prefill chunk) against a cache of ``seq_len`` slots."""
     graphdef, state = nnx.split(model)
     state_sh = state_shardings(state, mesh, rules)
     cache = jax.eval_shape(lambda: model.init_cache(batch, seq_len))
     cache_sh = cache_shardings(cache, mesh, rules)
-    tok_sh = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh, (batch, 1)))
+    tok_sh = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh, (batch, new_tokens)))
     logits_sh = NamedSharding(mesh, logical_to_spec(("batch", "vocab"), rules, mesh, (batch, cfg.model.vocab_size)))
 
     def decode_step(state, cache, tokens):
-        """One token per row: tokens ``[B, 1]`` -> (last logits ``[B, V]`` float32, updated cache)."""
+        """tokens ``[B, new_tokens]`` -> (last logits ``[B, V]`` float32, updated cache)."""
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
         return logits[:, -1], cache
 
     jitted = jax.jit(decode_step, in_shardings=(state_sh, cache_sh, tok_sh), out_shardings=(logits_sh, cache_sh),
                      donate_argnums=1)
     args = (abstract_with_shardings(state, state_sh), abstract_with_shardings(cache, cache_sh),
-            jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=tok_sh))
+            jax.ShapeDtypeStruct((batch, new_tokens), jnp.int32, sharding=tok_sh))
     with jax.set_mesh(mesh):
         return jitted.lower(*args)
 
@@ -400,7 +410,8 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     base = dict(job=job, mesh_shape={a: mesh.shape[a] for a in MESH_AXES if mesh.shape[a] > 1},
                 num_devices=mesh.size, hbm_bytes=tpu.hbm_bytes, hbm_limit_bytes=limit)
     options = {"xla_tpu_max_hbm_size_mib": limit // 2**20} if limit else {}
-    lower = _lower_train if job.mode == "train" else _lower_decode
+    lower = {"train": _lower_train, "decode": _lower_decode,
+             "prefill": functools.partial(_lower_decode, new_tokens=job.prefill_chunk or job.seq_len)}[job.mode]
     t0 = time.perf_counter()
     try:
         lowered = lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len)
@@ -491,7 +502,8 @@ def table(results: list[Result]) -> str:
     rows = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for r in results:
         j = r.job
-        what = (f"train {j.batch} x {j.seq_len}" if j.mode == "train" else f"decode {j.batch} x 1 @ {j.seq_len:,} ctx")
+        what = {"train": f"train {j.batch} x {j.seq_len}", "decode": f"decode {j.batch} x 1 @ {j.seq_len:,} ctx",
+                "prefill": f"prefill {j.batch} x {j.prefill_chunk or j.seq_len:,} @ {j.seq_len:,} ctx"}[j.mode]
         if j.note:
             what += f" ({j.note})"
         if r.error:
@@ -523,11 +535,14 @@ def main(argv: list[str] | None = None) -> None:
     _compile_on_cpu()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="config name or path (default: run the PLAN)")
-    ap.add_argument("--mode", choices=("train", "decode"), default="train")
+    ap.add_argument("--mode", choices=("train", "decode", "prefill"), default="train")
     ap.add_argument("--slice", default="v5p-1024", help=f"one of {', '.join(V5P_SHAPES)}")
     ap.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=8,expert=64 (unlisted axes: 1)")
     ap.add_argument("--batch", type=int, help="global rows (default: one per device for train, 1 for decode)")
-    ap.add_argument("--seq-len", type=int, help="train: tokens per row (default train.seq_len); decode: context")
+    ap.add_argument("--seq-len", type=int, help="train: tokens per row (default train.seq_len); decode, prefill: "
+                    "context (cache slots; default model.max_seq_len)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill: prompt tokens per row and call, written "
+                    "into the cache at a traced position (default: the whole context in one call)")
     ap.add_argument("--no-flops", action="store_true", help="skip the extra compile for the per-group FLOPs")
     ap.add_argument("--breakdown", nargs="?", const="", metavar="JSON", help="attribute the compiled step's FLOPs, "
                     "HBM and collective bytes to the model's parts (k3jax/breakdown.py); print the table, and write "
@@ -552,7 +567,14 @@ def main(argv: list[str] | None = None) -> None:
         devices = TpuSlice.v5p(args.slice).num_devices
         batch = args.batch or (devices if args.mode == "train" else 1)
         seq = args.seq_len or (cfg.train.seq_len if args.mode == "train" else cfg.model.max_seq_len)
-        jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib)]
+        if args.mode == "train" and mesh.sequence > 1 and seq % mesh.sequence:
+            ap.error(f"--seq-len {seq}: the rows do not split over the mesh's sequence={mesh.sequence} shards")
+        if args.mode == "prefill" and not 0 <= args.prefill_chunk <= seq:
+            ap.error(f"--prefill-chunk {args.prefill_chunk} must be in [1, --seq-len {seq}] (0: the whole context)")
+        if args.mode == "prefill" and args.breakdown is not None:
+            ap.error("--breakdown has no analytic count of a prefill chunk yet: use --mode train or decode")
+        jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib,
+                    prefill_chunk=args.prefill_chunk if args.mode == "prefill" else 0)]
     else:  # the PLAN, each job under its own budget unless --hbm-gib overrides them all
         jobs = [job if args.hbm_gib is None else dataclasses.replace(job, hbm_gib=args.hbm_gib) for job in PLAN]
     results = []

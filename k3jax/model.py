@@ -39,6 +39,17 @@ from k3jax.vision.projector import Projector
 from k3jax.vision.splice import splice_image_features
 
 
+def check_cache_room(cache: ModelCache, t: int) -> None:
+    """T new tokens must fit the cache's slots (``init_cache``'s ``max_len``): the slot writes would otherwise
+    clamp and overwrite the last entries. The cache position is checked when it is concrete (eager calls)."""
+    slots = cache.valid.shape[1]
+    if t > slots:
+        raise ValueError(f"{t} new tokens do not fit a cache of {slots} slots (init_cache max_len)")
+    if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) + t > slots:
+        raise ValueError(f"{int(cache.length)} cached + {t} new tokens exceed the cache's {slots} slots "
+                         "(init_cache max_len)")
+
+
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Position of each token within its packed document. segment_ids ``[B, T]`` -> ``[B, T]``."""
     t = segment_ids.shape[1]
@@ -348,6 +359,7 @@ class K3Model(nnx.Module):
                                  "padding with token_valid")
             if cache.valid.shape[0] != b:
                 raise ValueError(f"cache batch {cache.valid.shape[0]} != tokens batch {b}")
+            check_cache_room(cache, t)
             valid = jnp.ones((b, t), bool) if token_valid is None else token_valid.astype(bool)
             if positions is None:
                 positions = jnp.maximum(cache.positions[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)

@@ -46,7 +46,10 @@ FSDP_STORAGE_AXES = ("fsdp", "expert", "sequence")
 # logical name -> candidate mesh axes (first usable one wins; a tuple entry shards over several axes).
 DEFAULT_RULES: Rules = (
     ("batch", (BATCH_MESH_AXES,)),
-    ("length", ("sequence",)),
+    # The time axis: over `sequence` and every data-like axis the batch leaves free (the batch rule comes
+    # first), so one long row with fewer rows than data-parallel devices still puts distinct tokens on
+    # each device (k3jax/parallel/sequence.py runs its token-mixing ops over the same axes).
+    ("length", (("data", "fsdp", "expert", "sequence"),)),
     # A decoding cache's slots: split over every axis the (often tiny) decode batch leaves free, so a
     # single 1M-token sequence is spread over the whole slice.
     ("cache_length", (("sequence", "data", "fsdp", "expert", "tensor"),)),

@@ -1,6 +1,7 @@
 """Sequence parallelism (k3jax/parallel/sequence.py) on 8 fake CPU devices: the short conv, chunkwise
-KDA and the MLA layer with the time axis split over ``sequence`` equal their single-device results,
-forward and backward, with packed documents that start inside shards and exactly at shard boundaries.
+KDA and the MLA layer with the time axis split over ``sequence`` (and over the data-like axes the batch
+leaves free) equal their single-device results, forward and backward, with packed documents that start
+inside shards and exactly at shard boundaries.
 
 The 8-device checks run in a subprocess: the device count must be set before JAX starts, and the rest
 of the suite runs on one device.
@@ -53,16 +54,19 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
         return [("conv", conv, sp_conv, (x, w)), ("kda", kda, sp_kda, (q, k, v, g, beta)),
                 ("mla", layer, layer, (mla_params, h))]
 
-    meshes = [((8,), ("sequence",)), ((2, 2, 2), ("data", "sequence", "tensor"))]
+    # (shape, axis names, time shards): the last splits the time axis over (expert, sequence), the axes the
+    # batch of 2 leaves free (fsdp takes the batch)
+    meshes = [((8,), ("sequence",), 8), ((2, 2, 2), ("data", "sequence", "tensor"), 2),
+              ((2, 2, 2), ("fsdp", "expert", "sequence"), 4)]
     worst = {}
     for segment_ids in (None, seg):
         for name, single, parallel, args in cases(segment_ids):
             argnums = tuple(range(len(args)))
             ref = grad_of(single, argnums)(*args)
-            for shape, names in meshes:
+            for shape, names, shards in meshes:
                 mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
                 with jax.set_mesh(mesh):
-                    assert sequence.sequence_shards(T) == shape[names.index("sequence")]
+                    assert sequence.sequence_shards(T, batch=B) == shards
                     got = grad_of(parallel, argnums)(*args)
                 err = rel(got, ref)
                 assert err < 2e-5, (name, names, segment_ids is not None, err)
@@ -70,7 +74,12 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
 
     # shards that do not divide T (or are shorter than the conv halo) fall back to the GSPMD path
     with jax.set_mesh(jax.make_mesh((8,), ("sequence",), axis_types=(AxisType.Auto,))):
-        assert sequence.sequence_shards(60) == 1 and sequence.sequence_shards(16, 3) == 1
+        assert sequence.sequence_shards(60, batch=B) == 1 and sequence.sequence_shards(16, 3, batch=B) == 1
+    # the time axis also takes the data-like axes the batch leaves free, in mesh order
+    with jax.set_mesh(jax.make_mesh((2, 2, 2), ("data", "expert", "sequence"), axis_types=(AxisType.Auto,) * 3)):
+        assert sequence.time_axes(2, T) == ("expert", "sequence") and sequence.sequence_shards(T, batch=2) == 4
+        assert sequence.time_axes(1, T) == ("data", "expert", "sequence") and sequence.sequence_shards(T, batch=1) == 8
+        assert sequence.time_axes(4, 6) == ("sequence",) and sequence.time_axes(4, 5) == ()
     print("OK", worst)
 """)
 

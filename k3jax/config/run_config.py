@@ -212,6 +212,13 @@ class Config:
         self.mesh.validate("mesh")
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                f"{self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.mesh.sequence > 1:  # a row the shards do not split evenly would silently run unsharded
+            check(self.train.seq_len % self.mesh.sequence == 0, "train.seq_len",
+                  f"{self.train.seq_len} tokens per row do not split over mesh.sequence={self.mesh.sequence} shards")
+            halo = self.model.kda.conv_size - 1 if self.model.uses("kda") else 0
+            check(self.train.seq_len // self.mesh.sequence >= max(halo, 1), "train.seq_len",
+                  f"{self.train.seq_len // self.mesh.sequence} tokens per sequence shard (mesh.sequence="
+                  f"{self.mesh.sequence}) are fewer than the short conv's {halo}-token halo")
         # the weights are differentiated in the gradient dtype: the forward is unchanged only when the layers
         # compute in it too
         check(self.train.grad_dtype == "float32" or self.train.grad_dtype == self.model.dtype, "train.grad_dtype",

@@ -105,7 +105,7 @@ class KDA(nnx.Module):
         # time split over the `sequence` mesh axis (training / full forward only; each shard needs
         # the conv's W-1 halo from its predecessor)
         halo = max(c.conv_size - 1, 1)
-        sequence_parallel = cache is None and seq_parallel.sequence_shards(x.shape[1], halo) > 1
+        sequence_parallel = cache is None and seq_parallel.sequence_shards(x.shape[1], halo, batch=x.shape[0]) > 1
 
         def proj(name):
             return lora.project(self, name, x, "btd,dhk->bthk", dt, lora_key)

@@ -4,6 +4,8 @@ width, RMSNorm on the weighted expert sum before the up-projection, shared exper
 With ``moe.latent_dim = 0`` this is a plain DeepSeek-V3 / Kimi K2 MoE (no projections, no norm).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,6 +18,7 @@ from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.moe import combine_experts, sigmoid_topk_route
 from k3jax.parallel.context import current_mesh
+from k3jax.parallel import sequence as seq_parallel
 from k3jax.parallel.expert import expert_parallel_experts
 from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
 from pallas_kernels.platform import target_platform
@@ -65,8 +68,12 @@ class LatentMoE(nnx.Module):
         with jax.named_scope("router"):
             logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
             bias = self.router_bias[...] if self.router_bias is not None else None
-            route = sigmoid_topk_route(logits, bias, m.top_k, renormalize=m.renormalize,
-                                       scaling_factor=m.routed_scaling_factor)
+            route_fn = functools.partial(sigmoid_topk_route, top_k=m.top_k, renormalize=m.renormalize,
+                                         scaling_factor=m.routed_scaling_factor)
+            if bias is None:
+                route = seq_parallel.on_own_tokens(lambda lg: route_fn(lg, None), logits, batch=b, seq_len=t)
+            else:  # on each device's tokens: GSPMD gathers top_k's tokens otherwise
+                route = seq_parallel.on_own_tokens(route_fn, logits, bias, batch=b, seq_len=t)
         z = xf.astype(dt)
         if m.latent_dim:
             with jax.named_scope("latent_proj"):

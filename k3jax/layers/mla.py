@@ -95,7 +95,7 @@ class MLA(nnx.Module):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             kv_latent = jnp.concatenate([ckv, k_rope[:, :, 0]], axis=-1)  # [B, T, r + R]: 576 wide for K3
             index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            if seq_parallel.sequence_shards(t) > 1:  # time split over `sequence`: shards gather the latent
+            if seq_parallel.sequence_shards(t, batch=b) > 1:  # time split over shards: they gather the latent
                 o = seq_parallel.mla_attention(self.latent_attention, q, kv_latent, segment_ids, kv_b)
             else:
                 o = self.latent_attention(q, kv_latent, index, index, segment_ids, segment_ids, kv_b)

@@ -22,8 +22,11 @@ ops that mix tokens (everything else in the model is per token and stays plain G
   reduce-scatter); ``kv_b``'s is summed over the shards. docs/scale.md ("Long context") compares this
   with attention in the latent space (the absorbed form) and with a ring over KV shards.
 
-Inside the ``shard_map`` the batch splits over the data-like axes that divide it and the heads over
-``tensor`` when they divide; the other axes hold replicas.
+Inside the ``shard_map`` the batch and the time axis split as the residual stream does (the ``batch`` and
+``length`` rules of ``k3jax.sharding``): the batch over the data-like axes that divide it, the time axis
+over ``sequence`` and the data-like axes the batch leaves free (one 1M-token row on ``expert=64,
+sequence=8`` runs on 512 time shards, not 8 shards each repeated on 64 devices), the heads over
+``tensor`` when they divide; the other axes hold replicas. "Sequence shards" below are these time shards.
 """
 
 from __future__ import annotations
@@ -37,27 +40,44 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import conv as conv_ops
 from k3jax.ops import kda as kda_ops
-from k3jax.parallel.context import (BATCH_MESH_AXES, SEQUENCE_AXIS, TENSOR_AXIS, axis_size, current_mesh,
-                                    spec_entry, split_axes)
+from k3jax.parallel.context import TENSOR_AXIS, axis_size, current_mesh, spec_entry, split_axes
+from k3jax.sharding import DEFAULT_RULES, logical_to_spec
 
 # The KDA state fold runs in full float32 precision, like chunk_kda's own matmuls.
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None) -> int:
-    """Number of sequence shards a ``[B, seq_len, ...]`` activation runs on under the current mesh:
-    the ``sequence`` axis size when it divides ``seq_len`` into shards of at least ``min_shard_len``
-    tokens, else 1 (the single-device path, partitioned by GSPMD)."""
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def time_axes(batch: int, seq_len: int, mesh=None) -> tuple[str, ...]:
+    """The mesh axes the time axis of a ``[batch, seq_len, ...]`` activation splits over: the ``length``
+    rule of ``k3jax.sharding`` after the ``batch`` rule took its axes (in mesh order; () without a mesh)."""
     mesh = current_mesh() if mesh is None else mesh
-    sp = axis_size(mesh, SEQUENCE_AXIS)
+    if mesh is None:
+        return ()
+    return _entry_axes(logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))[1])
+
+
+def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None, *, batch: int) -> int:
+    """Number of sequence shards a ``[batch, seq_len, ...]`` activation runs on under the current mesh:
+    the product of its :func:`time_axes` when that splits ``seq_len`` into shards of at least
+    ``min_shard_len`` tokens, else 1 (the single-device path, partitioned by GSPMD)."""
+    mesh = current_mesh() if mesh is None else mesh
+    sp = 1
+    for a in time_axes(batch, seq_len, mesh):
+        sp *= axis_size(mesh, a)
     if sp > 1 and seq_len % sp == 0 and seq_len // sp >= min_shard_len:
         return sp
     return 1
 
 
-def _specs(mesh, batch: int, heads: int):
-    """(batch entry, heads entry) of the PartitionSpecs inside the shard_map."""
-    return spec_entry(split_axes(mesh, BATCH_MESH_AXES, batch)), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
+def _specs(mesh, batch: int, seq_len: int, heads: int):
+    """(batch entry, time axes, heads entry) of the PartitionSpecs inside the shard_map: batch and time as
+    ``k3jax.sharding`` lays out the residual stream, heads over ``tensor`` when they divide."""
+    b_entry, t_entry = logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))
+    return b_entry, _entry_axes(t_entry), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
 
 
 # --------------------------------------------------------------------------------------- short conv
@@ -70,26 +90,25 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array | N
     """
     mesh = current_mesh()
     halo = weight.shape[0] - 1
-    sp = sequence_shards(x.shape[1], halo, mesh)
-    b_entry, c_entry = _specs(mesh, x.shape[0], x.shape[2])
-    act, w_spec, seg_spec = P(b_entry, SEQUENCE_AXIS, c_entry), P(None, c_entry), P(b_entry, SEQUENCE_AXIS)
-    body = functools.partial(_conv_body, halo=halo, sp=sp)
+    sp = sequence_shards(x.shape[1], halo, mesh, batch=x.shape[0])
+    b_entry, axes, c_entry = _specs(mesh, *x.shape)
+    act, w_spec, seg_spec = P(b_entry, axes, c_entry), P(None, c_entry), P(b_entry, axes)
+    body = functools.partial(_conv_body, halo=halo, sp=sp, axes=axes)
     if segment_ids is None:
         return jax.shard_map(lambda x, w: body(x, w, None), mesh=mesh, in_specs=(act, w_spec),
                              out_specs=act)(x, weight)
     return jax.shard_map(body, mesh=mesh, in_specs=(act, w_spec, seg_spec), out_specs=act)(x, weight, segment_ids)
 
 
-def _conv_body(x, weight, segment_ids, *, halo, sp):
+def _conv_body(x, weight, segment_ids, *, halo, sp, axes):
     """One shard: x ``[B, t, C]`` -> ``[B, t, C]``, with the previous shard's last ``halo`` inputs."""
     if halo == 0:
         return conv_ops.causal_conv1d(x, weight, segment_ids=segment_ids)[0]
     to_next = [(i, i + 1) for i in range(sp - 1)]  # shard 0 receives zeros: the sequence start
-    x_ext = jnp.concatenate([jax.lax.ppermute(x[:, -halo:], SEQUENCE_AXIS, to_next), x], axis=1)
+    x_ext = jnp.concatenate([jax.lax.ppermute(x[:, -halo:], axes, to_next), x], axis=1)
     seg_ext = None
     if segment_ids is not None:  # the halo keeps its own ids, so a document start resets the window
-        seg_ext = jnp.concatenate([jax.lax.ppermute(segment_ids[:, -halo:], SEQUENCE_AXIS, to_next), segment_ids],
-                                  axis=1)
+        seg_ext = jnp.concatenate([jax.lax.ppermute(segment_ids[:, -halo:], axes, to_next), segment_ids], axis=1)
     y, _ = conv_ops.causal_conv1d(x_ext, weight, segment_ids=seg_ext)
     return y[:, halo:]
 
@@ -106,11 +125,11 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, chunk_size=64, segment_ids=None, 
     ``k3jax.ops.kda.chunk_kda``, e.g. a Pallas kernel); default the pure-JAX op.
     """
     mesh = current_mesh()
-    sp = sequence_shards(q.shape[1], 1, mesh)
-    b_entry, h_entry = _specs(mesh, q.shape[0], q.shape[2])
-    act, gate = P(b_entry, SEQUENCE_AXIS, h_entry, None), P(b_entry, SEQUENCE_AXIS, h_entry)
-    seg_spec = P(b_entry, SEQUENCE_AXIS)
-    body = functools.partial(_kda_body, scale=scale, chunk_size=chunk_size, sp=sp,
+    sp = sequence_shards(q.shape[1], 1, mesh, batch=q.shape[0])
+    b_entry, axes, h_entry = _specs(mesh, *q.shape[:3])
+    act, gate = P(b_entry, axes, h_entry, None), P(b_entry, axes, h_entry)
+    seg_spec = P(b_entry, axes)
+    body = functools.partial(_kda_body, scale=scale, chunk_size=chunk_size, sp=sp, axes=axes,
                              chunk_fn=kda_ops.chunk_kda if chunk_fn is None else chunk_fn)
     if segment_ids is None:
         return jax.shard_map(lambda *a: body(*a, None), mesh=mesh, in_specs=(act, act, act, act, gate),
@@ -119,7 +138,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, chunk_size=64, segment_ids=None, 
                          out_specs=act)(q, k, v, g, beta, segment_ids)
 
 
-def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, chunk_fn):
+def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, axes, chunk_fn):
     """One shard: q, k, g ``[B, t, H, K]``, v ``[B, t, H, V]``, beta ``[B, t, H]`` -> o ``[B, t, H, V]``."""
     b, _, h, dk = q.shape
     dv = v.shape[-1]
@@ -133,14 +152,14 @@ def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, chunk_fn)
                             output_final_state=True, initial_state=initial)
     read, o_local = o_aug[..., :dk], o_aug[..., dk:]  # [B, t, H, K], [B, t, H, V]
     # every shard's affine summary [sp, B, H, K, K + V], in sequence order
-    summaries = jax.lax.all_gather(final, SEQUENCE_AXIS)
+    summaries = jax.lax.all_gather(final, axes)
     if segment_ids is None:
         starts_doc = jnp.zeros((sp, b), bool)
     else:  # shard i starts a new document when its first id differs from shard i-1's last id
-        firsts = jax.lax.all_gather(segment_ids[:, 0], SEQUENCE_AXIS)  # [sp, B]
-        lasts = jax.lax.all_gather(segment_ids[:, -1], SEQUENCE_AXIS)
+        firsts = jax.lax.all_gather(segment_ids[:, 0], axes)  # [sp, B]
+        lasts = jax.lax.all_gather(segment_ids[:, -1], axes)
         starts_doc = jnp.concatenate([jnp.zeros((1, b), bool), firsts[1:] != lasts[:-1]], axis=0)
-    me = jax.lax.axis_index(SEQUENCE_AXIS)
+    me = jax.lax.axis_index(axes)
 
     def fold(state, xs):
         """state entering shard i -> entering shard i + 1; frozen from i = this shard on."""
@@ -173,11 +192,11 @@ def mla_attention(attend: Attend, q: jax.Array, kv_latent: jax.Array, segment_id
     segment ids, keys and values expanded block by block); returns ``[B, T, H, v]``.
     """
     mesh = current_mesh()
-    sp = sequence_shards(q.shape[1], 1, mesh)
-    b_entry, h_entry = _specs(mesh, q.shape[0], q.shape[2])
-    q_spec, lat_spec = P(b_entry, SEQUENCE_AXIS, h_entry, None), P(b_entry, SEQUENCE_AXIS, None)
-    seg_spec, kv_b_spec = P(b_entry, SEQUENCE_AXIS), P(None, h_entry, None)
-    body = functools.partial(_mla_body, attend=attend, sp=sp)
+    sp = sequence_shards(q.shape[1], 1, mesh, batch=q.shape[0])
+    b_entry, axes, h_entry = _specs(mesh, *q.shape[:3])
+    q_spec, lat_spec = P(b_entry, axes, h_entry, None), P(b_entry, axes, None)
+    seg_spec, kv_b_spec = P(b_entry, axes), P(None, h_entry, None)
+    body = functools.partial(_mla_body, attend=attend, sp=sp, axes=axes)
     if segment_ids is None:
         return jax.shard_map(lambda q, lat, w: body(q, lat, None, w), mesh=mesh,
                              in_specs=(q_spec, lat_spec, kv_b_spec), out_specs=q_spec)(q, kv_latent, kv_b)
@@ -185,13 +204,35 @@ def mla_attention(attend: Attend, q: jax.Array, kv_latent: jax.Array, segment_id
                          out_specs=q_spec)(q, kv_latent, segment_ids, kv_b)
 
 
-def _mla_body(q, kv_latent, segment_ids, kv_b, *, attend, sp):
+def _mla_body(q, kv_latent, segment_ids, kv_b, *, attend, sp, axes):
     """One shard: local queries ``[B, t, H, P]`` over the whole sequence's gathered latents."""
     b, t = q.shape[:2]
-    latent_all = jax.lax.all_gather(kv_latent, SEQUENCE_AXIS, axis=1, tiled=True)  # [B, sp*t, r+R]
-    q_index = jax.lax.axis_index(SEQUENCE_AXIS) * t + jnp.arange(t, dtype=jnp.int32)
+    latent_all = jax.lax.all_gather(kv_latent, axes, axis=1, tiled=True)  # [B, sp*t, r+R]
+    q_index = jax.lax.axis_index(axes) * t + jnp.arange(t, dtype=jnp.int32)
     q_index = jnp.broadcast_to(q_index, (b, t))
     kv_index = jnp.broadcast_to(jnp.arange(sp * t, dtype=jnp.int32), (b, sp * t))
-    kv_segment_ids = None if segment_ids is None else jax.lax.all_gather(segment_ids, SEQUENCE_AXIS, axis=1,
-                                                                         tiled=True)
+    kv_segment_ids = None if segment_ids is None else jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True)
     return attend(q, latent_all, q_index, kv_index, segment_ids, kv_segment_ids, kv_b)
+
+
+# ------------------------------------------------------------------------------------ per-token ops
+
+
+def on_own_tokens(fn: Callable[..., object], tokens: jax.Array, *shared: jax.Array, batch: int, seq_len: int):
+    """``fn(tokens, *shared)`` run on each device's own tokens, for a per-token op that GSPMD would
+    otherwise gather along the tokens (XLA:CPU replicates ``lax.top_k``'s sort: the router's ``[N, E]``
+    scores of a whole 1M-token row on every device).
+
+    tokens ``[N, ...]``: the flattened ``[batch, seq_len]`` tokens (split as the residual stream is:
+    batch axes, then time axes); ``shared``: arrays every token uses whole (replicated); ``fn``'s
+    outputs: a pytree of ``[N, ...]`` arrays. Without a mesh (or with unsplit tokens) ``fn`` runs as is.
+    """
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(tokens, *shared)
+    b_entry, t_entry = logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))
+    axes = _entry_axes(b_entry) + _entry_axes(t_entry)
+    if not axes:
+        return fn(tokens, *shared)
+    spec = P(axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) + (P(),) * len(shared), out_specs=spec)(tokens, *shared)

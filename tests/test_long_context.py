@@ -1,0 +1,245 @@
+"""Long training rows (issue 31): a tiny K3 on one row of 32,768 tokens split over 8 sequence shards (fake
+CPU devices) gives the single-device logits and gradients, with packed documents whose boundaries fall
+inside shards and exactly on one; no shard holds the row's MLA keys or values (the jaxpr of every
+``shard_map`` body), and the only collectives that move whole-row arrays are MLA's latent gather and its
+transpose (the optimized HLO: Block AttnRes, the MoE and the KDA / conv are per token or exchange states and
+halos only). Bad long-context settings stop before compiling with an error naming the setting.
+
+The 8-device check runs in a subprocess: the device count must be set before JAX starts.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cpu_devices import RELATIVE_ERROR, subprocess_env
+from k3jax.config import load_config
+
+# d = 32, two layers (KDA with a dense FFN, MLA with the MoE; AttnRes blocks of 1), 3 MLA heads with 24-wide
+# keys and values over a 16 + 8 latent: the row's expanded keys (3 x 24 per token) are 3x the latent. The
+# router selects every expert (top_k = num_experts), so no token's expert choice can flip on a rounding
+# difference between the layouts (at 32k random tokens a few would, and their logits would differ by
+# whole expert outputs).
+TINY_LONG = ["model.hidden_size=32", "model.num_layers=2", "model.mla_period=2", "model.dense_ffn_dim=64",
+             "model.max_seq_len=32768",
+             "model.kda={num_heads: 2, head_dim: 8, conv_size: 4, gate: lower_bound, output_gate: full, "
+             "chunk_size: 64}",
+             "model.mla={num_heads: 3, q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 16, "
+             "qk_rope_head_dim: 8, v_head_dim: 24, rope: none, output_gate: true}",
+             "model.moe={num_experts: 2, top_k: 2, num_shared_experts: 1, expert_dim: 16, latent_dim: 16, "
+             "latent_norm: true, routed_scaling_factor: 1.0}",
+             "model.attn_res={enabled: true, block_size: 1}"]
+
+SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
+    import re, time
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from k3jax import load_config, create_model
+    from k3jax.config import MeshConfig
+    from k3jax.model import abstract_model
+    from k3jax.sharding import batch_sharding, make_mesh, state_shardings
+
+    OVERRIDES = %r
+    T, SP = 32768, 8  # 4096 tokens per shard
+    cfg = load_config("tiny", OVERRIDES).model
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 256, (1, T)), jnp.int32)
+    # documents: one crossing shards 0-1, one ending exactly where shard 2 starts (8192), one starting
+    # there and crossing two more shards, short ones inside shard 4, one to the end but the padding
+    bounds = [0, 5000, 8192, 19000, 19003, 19500, 32000, T]
+    seg = np.zeros((1, T), np.int32)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        seg[0, a:b] = i + 1
+    seg[0, 32000:] = 0  # padding
+    seg = jnp.asarray(seg)
+    graphdef, params, rest = nnx.split(create_model(cfg), nnx.Param, ...)
+
+    def loss_fn(graphdef):
+        def loss(params, rest, tokens, seg):
+            logits, _, _ = nnx.merge(graphdef, params, rest).forward(tokens, segment_ids=seg)
+            logp = jax.nn.log_softmax(logits[:, :-1])
+            nll = -jnp.sum(logp * jax.nn.one_hot(tokens[:, 1:], logits.shape[-1]), axis=-1)
+            keep = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+            return jnp.sum(nll * keep) / jnp.sum(keep), logits
+        return jax.value_and_grad(loss, has_aux=True)
+
+    t0 = time.perf_counter()
+    ref_compiled = jax.jit(loss_fn(graphdef)).lower(params, rest, tokens, seg).compile()
+    tc = time.perf_counter()
+    (ref_loss, ref_logits), ref_grads = ref_compiled(params, rest, tokens, seg)
+    jax.block_until_ready(ref_grads)
+    t1 = time.perf_counter()
+    print(f"single device: compile {tc - t0:.1f} s, run {t1 - tc:.1f} s", flush=True)
+
+    mesh = make_mesh(MeshConfig(data=1, sequence=SP))
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(params, state_shardings(params, mesh)), jax.device_put(rest, state_shardings(rest, mesh)),
+                  jax.device_put(tokens, batch_sharding(mesh)), jax.device_put(seg, batch_sharding(mesh))]
+        fn = loss_fn(nnx.split(abstract_model(cfg), nnx.Param, ...)[0])
+        jaxpr = jax.make_jaxpr(fn)(*placed).jaxpr
+        compiled = jax.jit(fn).lower(*placed).compile()
+        tc = time.perf_counter()
+        (loss, logits), grads = compiled(*placed)
+        jax.block_until_ready(grads)
+    t2 = time.perf_counter()
+    print(f"8 shards: trace + compile {tc - t1:.1f} s, run {t2 - tc:.1f} s", flush=True)
+    errs = (rel(loss, ref_loss), rel(logits, ref_logits), rel(grads, ref_grads))
+    assert errs[0] < 1e-5 and errs[1] < 2e-5 and errs[2] < 1e-4, errs
+
+    # 1. inside the shard_map bodies (the per-shard programs), no array as large as the row's expanded keys
+    mla = cfg.mla
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+    expanded = T * mla.num_heads * min(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+    assert T * latent < expanded
+
+    def avals(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            nested = inside or eqn.primitive.name == "shard_map"
+            for v in eqn.outvars:
+                if inside and hasattr(v.aval, "shape"):
+                    yield v.aval.shape
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from avals(sub.jaxpr, nested)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from avals(sub, nested)
+
+    shapes = set(avals(jaxpr, False))
+    # the heads dim (3) appears in no other array: full-row keys or values, whole or in blocks, would be one
+    # with at least T x heads x head_dim elements
+    per_head = sorted(s for s in shapes if mla.num_heads in s and np.prod(s) >= expanded)
+    assert not per_head, per_head
+    assert not [s for s in shapes if T in s and mla.num_heads in s], "a full-row array with a heads dim"
+    assert (1, T, latent) in shapes  # the walk does see MLA's gathered latent: the check has teeth
+
+    # 2. the compiled program's collectives: none moves a whole-row array wider than the latent (the residual
+    # stream is 32 wide, AttnRes keeps a bank of them, the MoE's tokens; all must stay on their shard)
+    hlo = compiled.as_text()
+    collectives = re.findall(r"= ([a-z0-9]+)\\[([0-9,]*)\\][^=]*? (all-gather|all-reduce|all-to-all|"
+                             r"collective-permute|reduce-scatter)(?:-start)?\\(", hlo)
+    whole_row = [(d, s, op) for d, s, op in collectives if s and np.prod([int(x) for x in s.split(",")]) > T * latent]
+    assert not whole_row, whole_row
+    # whole-row gathers: MLA's latent and the segment ids, nothing else (the router's top-k runs on each
+    # device's tokens: k3jax.parallel.sequence.on_own_tokens)
+    gathered = {(d, s) for d, s, op in collectives if op == "all-gather" and str(T) in s.split(",")}
+    assert ("f32", f"1,{T},{latent}") in gathered and gathered <= {("f32", f"1,{T},{latent}"), ("s32", f"1,{T}")}, \
+        gathered
+    print(f"OK errors {errs}; single device {t1 - t0:.1f} s, 8 shards {t2 - t1:.1f} s; "
+          f"{len(collectives)} collectives, row-length gathers {sorted(gathered)}")
+""") % (TINY_LONG,)
+
+
+@pytest.mark.slow
+def test_long_row_sequence_parallel_matches_single_device():
+    # with XLA's optimisation passes (unlike the other device scripts): the 32k-token row's run time is
+    # most of this test, and unfused it is several times longer
+    env = subprocess_env(JAX_NUM_CPU_DEVICES="8")
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
+    print(r.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# K2's context extension: YaRN from the checkpoint's legacy ``rope_scaling`` (the Kimi K2 release layout)
+
+
+@pytest.mark.usefixtures("fast_xla")
+def test_yarn_rope_scaling_from_a_legacy_hf_config_matches_transformers(tmp_path):
+    """A tiny DeepSeek-V3 whose config.json carries YaRN as ``rope_scaling`` (K2's layout: type, factor,
+    original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, all set to values that
+    change the result): every field reaches ``model.mla.yarn`` and the logits equal transformers' on
+    positions up to 4x past the original context."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+    from test_hf_interop import REL_TOL, deepseek_config, hf_logits, randomize_torch, rel_err
+    from transformers import DeepseekV3ForCausalLM
+
+    from k3jax.interop import from_hf
+
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
+               "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.6}
+    hf_cfg = deepseek_config()
+    hf_cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 50000.0,
+                              **{k: v for k, v in scaling.items() if k != "type"}}
+    hf_cfg.max_position_embeddings = 128
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(hf_cfg).eval()
+    randomize_torch(model, 3)
+    model.save_pretrained(tmp_path)
+    tokens = np.random.default_rng(1).integers(0, 96, (1, 64)).astype(np.int32)
+    ref = hf_logits(model, tokens)
+    config = json.loads((tmp_path / "config.json").read_text())  # rewritten as the K2 release writes it
+    config.pop("rope_parameters")
+    config.update(rope_scaling=scaling, rope_theta=50000.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    loaded = from_hf(tmp_path)
+    yarn = loaded.cfg.mla.yarn
+    assert loaded.cfg.mla.rope == "yarn" and loaded.cfg.max_seq_len == 128
+    assert (yarn.factor, yarn.original_max_position, yarn.beta_fast, yarn.beta_slow, yarn.mscale,
+            yarn.mscale_all_dim) == (4.0, 16, 8.0, 2.0, 0.8, 0.6)
+    out = np.asarray(loaded(jnp.asarray(tokens))[0])
+    _, rel = rel_err(out, ref)
+    assert rel < REL_TOL, rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad long-context settings: one line naming the setting, before anything compiles
+
+
+def test_train_rows_must_split_over_the_sequence_shards():
+    from k3jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.seq_len: 100 tokens per row do not split over mesh.sequence=8"):
+        load_config("tiny", ["mesh.data=1", "mesh.sequence=8", "train.seq_len=100"])
+    with pytest.raises(ConfigError, match=r"train.seq_len: 2 tokens per sequence shard .* 3-token halo"):
+        load_config("tiny", ["mesh.data=1", "mesh.sequence=8", "train.seq_len=16"])
+    assert load_config("tiny", ["mesh.data=1", "mesh.sequence=8", "train.seq_len=64"]).train.seq_len == 64
+    with pytest.raises(ConfigError, match=r"train.seq_len: 4096 exceeds model.max_seq_len=2048"):
+        load_config("tiny", ["train.seq_len=4096"])
+
+
+def test_aot_refuses_rows_the_sequence_axis_does_not_split(capsys):
+    from k3jax import aot
+
+    with pytest.raises(SystemExit):
+        aot.main(["--config", "tiny", "--mode", "train", "--slice", "v5p-16", "--mesh", "sequence=8",
+                  "--seq-len", "1001"])
+    assert "--seq-len 1001: the rows do not split over the mesh's sequence=8 shards" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        aot.main(["--config", "tiny", "--mode", "prefill", "--slice", "v5p-16", "--seq-len", "1024",
+                  "--prefill-chunk", "2048"])
+    assert "--prefill-chunk 2048 must be in [1, --seq-len 1024]" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("fast_xla")
+def test_a_context_longer_than_the_cache_or_the_model_is_refused():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3jax import create_model, generate
+    from k3jax.serving.engine import Engine
+
+    cfg = load_config("tiny", ["model.max_seq_len=64", "train.seq_len=64"]).model
+    model = create_model(cfg)
+    tokens = jnp.ones((1, 10), jnp.int32)
+    with pytest.raises(ValueError, match="10 new tokens do not fit a cache of 8 slots"):
+        model(tokens, cache=model.init_cache(1, 8))
+    _, cache = model(tokens[:, :6], cache=model.init_cache(1, 12))
+    with pytest.raises(ValueError, match="6 cached \\+ 10 new tokens exceed the cache's 12 slots"):
+        model(tokens, cache=cache)
+    with pytest.raises(ValueError, match=r"prompt \(60\) \+ max_new_tokens \(5\) = 65 exceeds the model's max_seq_len=64"):
+        generate(model, np.ones((1, 60), np.int32), 5)
+    engine = Engine(model, max_batch=1, max_len=32, prefill_chunk=8)
+    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_tokens \(4\) exceeds the context of 32"):
+        engine.check(30, 4)
+    with pytest.raises(ValueError, match=r"max_len must be in \[2, model.max_seq_len=64\]"):
+        Engine(model, max_len=128)
