@@ -76,14 +76,6 @@ def exists(p) -> bool:
     return path(p).exists()
 
 
-def is_dir(p) -> bool:
-    return path(p).is_dir()
-
-
-def is_file(p) -> bool:
-    return path(p).is_file()
-
-
 def mkdir(p) -> None:
     """Create a directory and its parents (a no-op on an object store, which has no directories)."""
     if not is_remote(p):
@@ -102,6 +94,8 @@ def read_bytes(p) -> bytes:
 
 
 def read_text(p, encoding: str = "utf-8", errors: str = "strict") -> str:
+    if not is_remote(p):  # text mode, as before: universal newlines
+        return path(p).read_text(encoding=encoding, errors=errors)
     return read_bytes(p).decode(encoding, errors)
 
 
@@ -154,14 +148,12 @@ def remove(p) -> None:
     path(p).unlink()
 
 
-def size_and_mtime(p) -> tuple[int, str]:
-    """A file's size and modification stamp (what :func:`local_copy` keys its cache by)."""
-    if not is_remote(p):
-        st = os.stat(path(p))
-        return st.st_size, str(st.st_mtime_ns)
-    info = filesystem(p).info(str(p))
+def _version(url: str) -> str:
+    """An object's size and generation (GCS; modification time elsewhere): what :func:`local_copy` keys its
+    cached copy by."""
+    info = filesystem(url).info(url)
     stamp = info.get("generation") or info.get("updated") or info.get("mtime") or info.get("LastModified") or ""
-    return int(info.get("size") or 0), str(stamp)
+    return f"{info.get('size') or 0} {stamp}"
 
 
 def cache_dir() -> pathlib.Path:
@@ -182,9 +174,12 @@ def local_copy(p) -> pathlib.Path:
     root = cache_dir() / hashlib.sha256(url.encode()).hexdigest()[:24]
     prefix = f"{scheme(url)}://"
     if fs.isdir(url):
-        files = [prefix + f.removeprefix(prefix) for f in fs.find(url)]
-        for f in files:
-            _download(f, root / f[len(url) + 1:])
+        files = {root / f[len(url) + 1:]: f for f in (prefix + f.removeprefix(prefix) for f in fs.find(url))}
+        for target, f in files.items():
+            _download(f, target)
+        for old in [f for f in root.rglob("*") if f.is_file() and not f.name.startswith(".")]:
+            if old not in files:  # gone from the store since an earlier copy (a re-export with fewer shards)
+                old.unlink()
         return root
     target = root / url.rsplit("/", 1)[-1]
     _download(url, target)
@@ -192,9 +187,7 @@ def local_copy(p) -> pathlib.Path:
 
 
 def _download(url: str, target: pathlib.Path) -> None:
-    size, stamp = size_and_mtime(url)
-    mark = target.with_name(f".{target.name}.version")
-    version = f"{size} {stamp}"
+    mark, version = target.with_name(f".{target.name}.version"), _version(url)
     if target.exists() and mark.exists() and mark.read_text() == version:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -291,7 +284,6 @@ def register_tensorboard(p) -> None:
     record_writer.register_writer_factory(scheme(p), _TensorboardWriterFactory())
 
 
-__all__ = ["CACHE_ENV", "RewrittenFile", "cache_dir", "exists", "filesystem", "glob", "is_dir", "is_file",
-           "is_remote", "join", "local_copy", "mkdir", "open", "open_for_append", "path", "read_bytes",
-           "read_range", "read_text", "register_tensorboard", "remove", "rmtree", "scheme", "size_and_mtime",
-           "staged_upload", "write_bytes", "write_text"]
+__all__ = ["CACHE_ENV", "RewrittenFile", "cache_dir", "exists", "filesystem", "glob", "is_remote", "join",
+           "local_copy", "mkdir", "open", "open_for_append", "path", "read_bytes", "read_range", "read_text",
+           "register_tensorboard", "remove", "rmtree", "scheme", "staged_upload", "write_bytes", "write_text"]

@@ -58,7 +58,7 @@ def test_storage_on_a_bucket(gcs, tmp_path, monkeypatch):
     root = f"gs://{BUCKET}/storage"
     storage.write_text(f"{root}/a/x.jsonl", "0123456789")
     storage.write_bytes(f"{root}/a/y.txt", b"y")
-    assert storage.exists(f"{root}/a/x.jsonl") and storage.is_dir(f"{root}/a") and not storage.exists(f"{root}/zz")
+    assert storage.exists(f"{root}/a/x.jsonl") and storage.path(f"{root}/a").is_dir() and not storage.exists(f"{root}/zz")
     assert [p.name for p in storage.glob(f"{root}/a/*.jsonl")] == ["x.jsonl"]
     assert str(storage.glob(f"{root}/*/y.txt")[0]) == f"{root}/a/y.txt"
     assert storage.read_range(f"{root}/a/x.jsonl", 3, 4) == b"3456"
@@ -259,3 +259,32 @@ def test_fresh_clears_a_bucket_run_dir_but_its_lock(gcs):
     _, fs = gcs
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/fresh")] == [run_lock.LOCK_FILE]
+
+
+def test_a_failed_save_in_a_bucket_lists_no_partial_step(gcs, monkeypatch):
+    """No rename on GCS: orbax marks a finished step with commit_success.txt, and a step without it is not
+    listed, so a resume never picks a half-written one."""
+    import errno
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    from k3jax import checkpoint, create_model
+    from k3jax.config import load_config
+
+    cfg = load_config("tiny", ["model.num_layers=1"])
+    model = create_model(cfg.model)
+    url = f"gs://{BUCKET}/failing"
+    checkpoint.save_model(url, model, cfg, step=1)
+    writer = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+
+    async def disk_full(self, x, directory):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save_model(url, model, cfg, step=2)
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", writer)
+    _, fs = gcs
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/failing/2") and not fs.exists(f"{BUCKET}/failing/2/commit_success.txt")
+    assert checkpoint.manager(url).all_steps() == [1] and checkpoint.restore_model(url)[1].model == cfg.model
