@@ -3,6 +3,7 @@ peer in the same process; prints one JSON document.
 
     python bench/serve.py            # `small` config: 64 requests at concurrency 1, 8 and 32
     python bench/serve.py --quick    # smoke run: `tiny`, 8 requests, concurrency 1 and 4
+    python bench/serve.py --shared-prefix [--quick]   # the prefix cache on a chat workload (below)
 
 k3jax: one server (``k3jax.serving``: uvicorn in a thread of this process, ``--max-batch`` = the
 largest concurrency, XLA optimisations on) and an asyncio ``openai`` client that keeps
@@ -27,6 +28,17 @@ from it as much: with glibc's defaults HF ``generate`` page-faults millions of t
 speed swings with the machine's state (10-140 tokens/s at concurrency 32 in back-to-back runs).
 ``--peer-malloc glibc`` restores glibc's defaults around the peer's runs: what HF gets in a process of
 its own.
+
+``--shared-prefix``: the prefix cache (``Engine(prefix_cache_tokens=...)``) on a chat-like workload,
+no peer. ``--users`` conversations (default 16) run at once, each ``--turns`` turns (default 3) one
+after another; turn k's prompt is a shared system prompt (``--system-len`` tokens, default 2000), the
+conversation so far (its earlier messages and the replies the server gave) and a new user message
+(``--message-len`` tokens); ``--max-tokens`` greedy tokens per reply. The same conversations run
+twice on one server, its prefix cache off (``engine.prefix_cache = None``), then on (empty at the
+start): time to first token (all turns, first turns, later turns), output tokens/s over the whole
+run, prompt tokens the model ran and those read from the cache (``/metrics``' counters). Greedy
+replies are the same both ways (``same_replies``). ``--quick``: tiny, a 256-token system prompt, 4
+users, 2 turns.
 """
 
 from __future__ import annotations
@@ -142,6 +154,103 @@ def hf_batches(model, prompts: list[list[int]], max_tokens: int, batch: int, max
             "ttft_s": percentiles(ttft)}
 
 
+async def conversations(url: str, name: str, system: list[int], messages: list[list[list[int]]],
+                        max_tokens: int) -> dict:
+    """Every user's turns in order (each prompt: system, earlier messages and replies, the new message),
+    the users concurrently, streamed greedy; -> timings and each user's replies."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    ttft: dict[int, list[float]] = {}
+    tokens = 0
+
+    async def user(turns):
+        nonlocal tokens
+        history, replies = list(system), []
+        for k, message in enumerate(turns):
+            history += message
+            t0, reply = time.perf_counter(), []
+            stream = await client.completions.create(model=name, prompt=history, max_tokens=max_tokens, temperature=0,
+                                                     stream=True, extra_body={"return_token_ids": True})
+            async for chunk in stream:
+                ids = (getattr(chunk.choices[0], "token_ids", None) or []) if chunk.choices else []
+                if ids and not reply:
+                    ttft.setdefault(k, []).append(time.perf_counter() - t0)
+                reply += ids
+            tokens += len(reply)
+            replies.append(reply)
+            history += reply
+        return replies
+
+    t0 = time.perf_counter()
+    replies = await asyncio.gather(*(user(turns) for turns in messages))
+    wall = time.perf_counter() - t0
+    await client.close()
+    later = [t for k, ts in ttft.items() if k > 0 for t in ts]
+    return {"wall_s": round(wall, 3), "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2),
+            "ttft_s": {"all_turns": percentiles([t for ts in ttft.values() for t in ts]),
+                       "first_turns": percentiles(ttft.get(0, [])), "later_turns": percentiles(later)},
+            "replies": replies}
+
+
+def shared_prefix_main(args) -> None:
+    q = args.quick
+    config = args.config or ("tiny" if q else "small")
+    users, turns = args.users or (4 if q else 16), args.turns or (2 if q else 3)
+    system_len, message_len = args.system_len or (256 if q else 2000), args.message_len or (16 if q else 32)
+    max_tokens = args.max_tokens or (8 if q else 16)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (32 if q else 256)
+    if q:
+        jax.config.update("jax_disable_most_optimizations", True)
+    cfg = load_config(config).model
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(FIRST_PROMPT_ID, cfg.vocab_size, system_len).tolist()
+    messages = rng.integers(FIRST_PROMPT_ID, cfg.vocab_size, (users, turns, message_len)).tolist()
+    max_len = -(-(system_len + turns * (message_len + max_tokens)) // chunk) * chunk
+    budget = args.prefix_cache_tokens or max_len * users
+    log(f"shared-prefix bench: k3jax {config!r}, {users} users x {turns} turns, system prompt {system_len} tokens, "
+        f"prefix cache off then on ({budget} tokens)")
+    engine = Engine(create_model(cfg, seed=args.seed), max_batch=users, max_len=max_len, prefill_chunk=chunk,
+                    prefill_batch=args.prefill_batch, max_queue=users, prefix_cache_tokens=budget)
+    t0 = time.perf_counter()
+    server, thread, url = start_server(engine, config)
+    startup_s = time.perf_counter() - t0
+    cache = engine.prefix_cache
+    warm = rng.integers(FIRST_PROMPT_ID, cfg.vocab_size, (1, 1, message_len)).tolist()
+    engine.prefix_cache = None
+    asyncio.run(conversations(url, config, [], warm, 2))  # warm the HTTP path (nothing cached)
+    compiles = compile_count()
+    results = {}
+    for mode in ("off", "on"):
+        engine.prefix_cache = cache if mode == "on" else None  # swapped while the engine is idle
+        m = engine.metrics
+        before = (m.prefill_tokens, m.prompt_tokens, m.prefix_hit_tokens, m.prefix_hits, m.prefix_misses)
+        log(f"  prefix cache {mode}")
+        results[mode] = asyncio.run(conversations(url, config, system, messages, max_tokens))
+        after = (m.prefill_tokens, m.prompt_tokens, m.prefix_hit_tokens, m.prefix_hits, m.prefix_misses)
+        d = [a - b for a, b in zip(after, before)]
+        results[mode].update(prefilled_tokens=d[0], prompt_tokens=d[1], cached_tokens=d[2], hits=d[3], misses=d[4])
+    server.should_exit = True
+    thread.join(60)
+    same = results["off"].pop("replies") == results["on"].pop("replies")
+    report = {
+        "bench": "serve_shared_prefix", "quick": q, "xla_optimizations": not q, **cpu_info(),
+        "settings": {"config": config, "users": users, "turns": turns, "system_len": system_len,
+                     "message_len": message_len, "max_tokens": max_tokens, "max_batch": users, "max_len": max_len,
+                     "prefill_chunk": chunk, "prefill_batch": args.prefill_batch,
+                     "prefix_cache": {"tokens": budget, "block": cache.block,
+                                      "block_mib": round(engine.prefix_cache_block_bytes / 2**20, 3)},
+                     "dtype": "float32", "sampling": "greedy", "client": "openai.AsyncOpenAI, streamed"},
+        "server_startup_s": round(startup_s, 2), "compiles_during_load": compile_count() - compiles,
+        "same_replies": same, "prefix_cache_off": results["off"], "prefix_cache_on": results["on"],
+        "ratio_on_over_off": {
+            "output_tokens_per_s": round(results["on"]["output_tokens_per_s"] / results["off"]["output_tokens_per_s"], 3),
+            "ttft_p50_all_turns": round(results["on"]["ttft_s"]["all_turns"]["p50"] /
+                                        results["off"]["ttft_s"]["all_turns"]["p50"], 3)},
+    }
+    print(json.dumps(report, indent=1))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny config, 8 requests, concurrency 1, 4")
@@ -150,14 +259,26 @@ def main(argv=None):
     ap.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32; 1,4 quick)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per completion (default 32; 8 quick)")
-    ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default 64 (--shared-prefix: 256; 32 quick)")
     ap.add_argument("--prefill-batch", type=int, default=8, help="waiting prompts prefilled together")
     ap.add_argument("--peer-batches", type=int, default=None, help="HF: time only the first N static batches of "
                     "each level (default: all; its tokens/s is a per-batch rate either way)")
     ap.add_argument("--peer-malloc", choices=("same", "glibc"), default="same",
                     help="the peer's host allocator: the server's setting (same process) or glibc's defaults")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shared-prefix", action="store_true", help="the prefix cache's bench (see the docstring)")
+    ap.add_argument("--users", type=int, default=None, help="--shared-prefix: conversations at once (16; 4 quick)")
+    ap.add_argument("--turns", type=int, default=None, help="--shared-prefix: turns per conversation (3; 2 quick)")
+    ap.add_argument("--system-len", type=int, default=None, help="--shared-prefix: system prompt tokens (2000; "
+                    "256 quick)")
+    ap.add_argument("--message-len", type=int, default=None, help="--shared-prefix: user message tokens (32; 16 quick)")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=None, help="--shared-prefix: the cache's budget "
+                    "(default: max_len per user)")
     args = ap.parse_args(argv)
+    if args.shared_prefix:
+        return shared_prefix_main(args)
+    if args.prefill_chunk is None:
+        args.prefill_chunk = 64
     q = args.quick
     config = args.config or ("tiny" if q else "small")
     n_requests = args.requests or (8 if q else 64)

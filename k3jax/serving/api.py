@@ -33,16 +33,24 @@ fit in the context, token ids outside the vocabulary) is answered with HTTP 400 
 body ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``; a full
 queue with 503 and ``Retry-After``. A client that goes away (mid-stream or while waiting) cancels
 its request, which frees its cache rows before the next decode step.
+
+Overload and shutdown: a body over ``max_body_bytes`` is refused with 413 from its ``Content-Length``
+(or as soon as the bytes read pass it), before it is read whole. A stream whose client stops reading
+(a send waits more than ``idle_timeout_s``) is cancelled, freeing its rows, and its connection
+closed. :meth:`Drain.drain` (the server calls it on SIGTERM / SIGINT) answers new requests with 503
+(``Retry-After``, ``Connection: close``) while the running requests finish; those still running at
+its deadline end with ``finish_reason: "abort"`` (streams: a last chunk with it, then ``[DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Callable, Literal
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -58,6 +66,8 @@ from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
 from k3jax.serving.text import TextStream, chat_prompt
 
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 16 * 2**20
+IDLE_TIMEOUT_S = 60.0
 # Accepted for compatibility only at their neutral value.
 _UNSUPPORTED = ("best_of", "suffix", "logit_bias", "functions", "presence_penalty", "frequency_penalty")
 
@@ -183,6 +193,68 @@ def _param(loc: tuple) -> str:
     return out
 
 
+class PayloadTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (PayloadTooLarge) from its Content-Length or once more than ``limit``
+    bytes have come, without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body has {declared} bytes; this server takes at most {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    return bytes(body)
+
+
+class Drain:
+    """The requests in flight, and the server's shutdown: :meth:`drain` refuses new requests and waits
+    for the running ones (aborting those left at its deadline)."""
+
+    def __init__(self):
+        self.draining = False
+        self._live: dict[int, Callable[[], None]] = {}  # request id -> abort its sequences
+        self._ids = itertools.count()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self, abort: Callable[[], None]) -> int:
+        key = next(self._ids)
+        self._live[key] = abort
+        self._idle.clear()
+        return key
+
+    def leave(self, key: int) -> None:
+        self._live.pop(key, None)
+        if not self._live:
+            self._idle.set()
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    async def drain(self, timeout_s: float, abort_grace_s: float = 10.0) -> bool:
+        """Refuse new requests; wait up to ``timeout_s`` for the running ones, then abort those left
+        (``finish_reason: abort``) and wait up to ``abort_grace_s`` for their last bytes. True when every
+        request ended."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            for abort in list(self._live.values()):
+                abort()
+        try:
+            await asyncio.wait_for(self._idle.wait(), abort_grace_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -196,21 +268,47 @@ async def _cancel_on_disconnect(receive, cancel) -> None:
 
 class _EngineStream(StreamingResponse):
     """An SSE response that cancels its requests when it ends for any reason: the client going away
-    while the requests wait for their first token (seen by ``receive``) or mid-stream (a failed send)."""
+    while the requests wait for their first token (seen by ``receive``) or mid-stream (a failed send),
+    or a send that waits more than ``idle_timeout_s`` (a client that stopped reading: the response is
+    abandoned, so the connection closes). ``done`` runs last."""
 
-    def __init__(self, content, cancel, **kwargs):
+    def __init__(self, content, cancel, idle_timeout_s: float, done: Callable[[], None], **kwargs):
         super().__init__(content, **kwargs)
-        self.cancel = cancel
+        self.cancel, self.idle_timeout_s, self.done = cancel, idle_timeout_s, done
 
     async def __call__(self, scope, receive, send):
+        sending_since: list[float | None] = [None]
+        loop = asyncio.get_running_loop()
+
+        async def timed_send(message):
+            sending_since[0] = loop.time()
+            await send(message)
+            sending_since[0] = None
+
+        async def idle_watch(response: asyncio.Task):
+            while not response.done():
+                await asyncio.sleep(self.idle_timeout_s / 4)
+                since = sending_since[0]
+                if since is not None and loop.time() - since > self.idle_timeout_s:
+                    self.cancel()
+                    response.cancel()
+                    return
+
         watcher = asyncio.create_task(_cancel_on_disconnect(receive, self.cancel))
+        response = asyncio.create_task(super().__call__(scope, receive, timed_send))
+        idle = asyncio.create_task(idle_watch(response))
         try:
-            await super().__call__(scope, receive, send)
+            await response
         except (OSError, ClientDisconnect):  # the client left; nothing to answer
             pass
+        except asyncio.CancelledError:
+            if not response.cancelled() or asyncio.current_task().cancelling():
+                raise
         finally:
             watcher.cancel()
+            idle.cancel()
             self.cancel()
+            self.done()
 
 
 class _Channel:
@@ -259,8 +357,11 @@ class _Choice:
         self.finish_reason: str | None = None
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
-    """The FastAPI app serving ``engine`` (started and stopped with the app)."""
+def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES,
+               idle_timeout_s: float = IDLE_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app serving ``engine`` (started and stopped with the app); ``app.state.drain`` is its
+    :class:`Drain`."""
+    drain = Drain()
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -268,6 +369,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         engine.stop()
 
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.drain = drain
     created = int(time.time())
 
     @app.get("/health")
@@ -309,7 +411,9 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     async def _simple(request: Request, schema, run):
         """Validate a JSON body against ``schema`` and answer ``run(request)`` (400 naming the field)."""
         try:
-            return await run(schema.model_validate(json.loads(await request.body())))
+            return await run(schema.model_validate(json.loads(await _read_body(request, max_body_bytes))))
+        except PayloadTooLarge as e:
+            return error_response(413, str(e), kind="payload_too_large")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error_response(400, f"the request body is not valid JSON: {e}")
         except pydantic.ValidationError as e:
@@ -429,8 +533,13 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         return prompts, params, stop
 
     async def _handle(request: Request, chat: bool):
+        if drain.draining:
+            return error_response(503, "the server is shutting down", kind="server_shutting_down",
+                                  headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await _read_body(request, max_body_bytes))
+        except PayloadTooLarge as e:
+            return error_response(413, str(e), kind="payload_too_large", headers={"Connection": "close"})
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error_response(400, f"the request body is not valid JSON: {e}")
         if not isinstance(body, dict):
@@ -467,12 +576,17 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             engine.metrics.request_done("rejected")
             return error_response(503, f"the server is busy: {e}; retry later", kind="server_overloaded",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
+        live = drain.enter(lambda: [engine.cancel(c.seq, "abort") for c in choices])
         reply = _Reply(chat, model_name, prompts, bool(req.return_token_ids), tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EngineStream(_stream(choices, channel, reply, usage), cancel_all,
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, choices, channel, reply, cancel_all)
+            return _EngineStream(_stream(choices, channel, reply, usage), cancel_all, idle_timeout_s,
+                                 lambda: drain.leave(live), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+        try:
+            return await _collect(request, choices, channel, reply, cancel_all)
+        finally:
+            drain.leave(live)
 
     async def _events(choices: list[_Choice], channel: _Channel):
         """(choice, text delta, token id or None, its TokenLogprobs or None, finish reason or None) until

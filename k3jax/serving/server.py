@@ -1,8 +1,14 @@
-"""``python infer.py --serve``: the command-line options of the server and its start (uvicorn)."""
+"""``python infer.py --serve``: the command-line options of the server and its start (uvicorn).
+
+SIGTERM / SIGINT drain the server (``api.Drain``): new requests get 503 while the running ones finish,
+for up to ``--drain-timeout`` seconds; those left then end with ``finish_reason: "abort"``, and the
+server exits. A second SIGINT exits at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from k3jax.serving.engine import Engine
 
@@ -31,6 +37,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    "states are snapshotted: a multiple of --prefill-chunk (default: one chunk)")
 
 
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds the running requests may take to "
+                   "finish after SIGTERM before they are aborted (finish_reason abort)")
+    g.add_argument("--stream-idle-timeout", type=float, default=60.0, help="seconds a stream may wait for its "
+                   "client to read before it is cancelled (its cache rows freed)")
+    g.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The Engine keyword arguments of the server's options."""
     return dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
@@ -41,13 +54,42 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -> None:
     """Run the server until interrupted."""
-    import uvicorn
-
-    from k3jax.serving.api import create_app  # FastAPI only where a server runs
-
     try:
         engine = Engine(model, mesh=mesh, **engine_options(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    app = create_app(engine, tokenizer, args.model_name or name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    run_server(engine, tokenizer, args.model_name or name, host=args.host, port=args.port,
+               drain_timeout_s=args.drain_timeout, idle_timeout_s=args.stream_idle_timeout,
+               max_body_bytes=args.max_body_bytes)
+
+
+def run_server(engine, tokenizer, name: str, *, host: str, port: int, drain_timeout_s: float,
+               idle_timeout_s: float, max_body_bytes: int, log_level: str = "info") -> None:
+    """Serve ``engine``'s API with uvicorn until a signal has drained it (module docstring)."""
+    import uvicorn
+
+    from k3jax.serving.api import create_app  # FastAPI only where a server runs
+
+    app = create_app(engine, tokenizer, name, idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, whose first exit signal drains the app before uvicorn's own shutdown starts."""
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if app.state.drain.draining:  # a second signal: uvicorn's (SIGINT: exit now)
+                return super().handle_exit(sig, frame)
+            app.state.drain.draining = True  # refuse new requests from now on
+            self._captured_signals.append(sig)  # uvicorn re-raises it once it has shut down
+
+            async def drain_then_exit():
+                await app.state.drain.drain(drain_timeout_s)
+                self.should_exit = True
+            def start():  # (the task is kept: the loop holds tasks weakly)
+                self.drain_task = self.loop.create_task(drain_then_exit())
+            self.loop.call_soon_threadsafe(start)
+
+    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
