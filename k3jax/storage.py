@@ -12,7 +12,7 @@ metrics, TensorBoard events, the run lock and Hugging Face directories goes thro
   object PUT is atomic by itself), :func:`rmtree` deletes a tree.
 - :func:`local_copy` gives a local directory or file for readers that need one (ArrayRecord's reader,
   safetensors' memory map): a remote one is downloaded once into :func:`cache_dir`, keyed by its URL,
-  size and modification time. :func:`staged_upload` is the converse for writers of whole directories.
+  size and generation. :func:`staged_upload` is the converse for writers of whole directories.
 
 Object stores have no appends and no renames: files written piece by piece (``metrics.jsonl``,
 TensorBoard's event files) are rewritten whole on each flush (:class:`RewrittenFile`).
@@ -105,9 +105,9 @@ def write_bytes(p, data: bytes) -> None:
         filesystem(p).pipe_file(str(p), data)  # one object upload: atomic
         return
     target = path(p)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # created as open() creates: the umask's mode
     try:
-        with os.fdopen(fd, "wb") as f:
+        with io.open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, target)
     except BaseException:
