@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from k3jax import checkpoint, distributed, storage
 from k3jax.config import Config, to_dict
+from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.data.images import make_dataset
 from k3jax.data.pipeline import batch_summary
 from k3jax.data.tokenizers import load_tokenizer
@@ -52,6 +53,7 @@ from k3jax.training import (TrainState, abstract_train_state, expert_imbalance_l
                             make_eval_step, make_train_step)
 
 DEMO_PROMPT = "In the beginning"
+DEMO_CHAT = "How many chapters does Exodus have?"  # a chat run's closing sample (the bundled chat set asks such)
 # The closing sample is drawn (greedy decoding of a small model loops on its most likely phrase).
 SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95
 EVAL_BATCHES = 4
@@ -367,6 +369,11 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     if log.rolled_back:
         tqdm.write(f"dropped {log.rolled_back} metrics record(s) logged after step {start} "
                    f"(a continuation that was rolled back)")
+    if start == 0 and tc.init_from and eval_fn is not None:
+        # a fine-tune's reference point: the base's loss on the held-out split, logged as step 0
+        base_loss = evaluate(eval_fn, state, cfg, tokenizer, mesh)
+        log.write({"step": 0, "eval_loss": base_loss})
+        _print_main(f"eval loss of the base ({tc.init_from}): {base_loss:.4f}")
     record, eval_loss, saved_step, step = {}, float("nan"), start, start
     bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
     t0, tokens_seen = time.perf_counter(), 0.0
@@ -461,13 +468,22 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     sample = ""
     if sample_tokens:
         model = nnx.merge(graphdef, state).model
-        prompt = np.asarray([tokenizer.encode(DEMO_PROMPT)], np.int32)
-        stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+        if tc.data.format == "chat":  # a chat fine-tune answers a message, in the format it was trained on
+            prompt, stops = chat_prompt(tokenizer, [{"role": "user", "content": DEMO_CHAT}]), reply_stop_ids(tokenizer)
+            shown = f"user: {DEMO_CHAT}\nassistant:"
+        else:
+            prompt, shown = tokenizer.encode(DEMO_PROMPT), ""
+            stops = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+        prompt = np.asarray([prompt], np.int32)
         out_tokens = generate(model, prompt, min(sample_tokens, cfg.model.max_seq_len - prompt.shape[1]),
                               temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, stop_tokens=stops,
                               seed=cfg.train.seed)
-        sample = tokenizer.decode([int(t) for t in np.asarray(out_tokens[0])])
-        _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{sample}\n")
+        ids = [int(t) for t in np.asarray(out_tokens[0])]
+        if shown:  # the reply alone, up to its end-of-turn token
+            ids = ids[prompt.shape[1]:]
+            ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+        sample = tokenizer.decode(ids)
+        _print_main(f"\n--- sample (temperature {SAMPLE_TEMPERATURE}, top-p {SAMPLE_TOP_P}) ---\n{shown}{sample}\n")
     return {"loss": record.get("loss", float("nan")), "eval_loss": eval_loss, "sample": sample,
             "interrupted": None}
 
