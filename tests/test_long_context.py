@@ -243,3 +243,24 @@ def test_a_context_longer_than_the_cache_or_the_model_is_refused():
         engine.check(30, 4)
     with pytest.raises(ValueError, match=r"max_len must be in \[2, model.max_seq_len=64\]"):
         Engine(model, max_len=128)
+
+
+@pytest.mark.tpu_aot
+def test_aot_prefill_mode_compiles_a_chunk_into_a_long_cache():
+    """``python -m k3jax.aot --mode prefill``: a prompt chunk written into a cache of the whole context,
+    compiled for a v5p slice (libtpu, no TPU), cache donated; the table names the chunk and the context."""
+    pytest.importorskip("libtpu")
+    from k3jax import aot
+    from k3jax.config import MeshConfig
+
+    try:
+        devices = aot.TpuSlice.v5p("v5p-8").devices()
+    except Exception as e:  # libtpu present but unusable on this host
+        pytest.skip(f"no TPU topology from libtpu: {e}")
+    job = aot.Job("small", "prefill", "v5p-8", MeshConfig(data=1, fsdp=2, expert=2), batch=1, seq_len=4096,
+                  overrides=("model.layout=mla", "model.num_layers=2"), prefill_chunk=256)
+    r = aot.compile_job(job, devices=devices, flops=False)
+    assert not r.error and r.fits, r.error
+    assert r.alias_bytes > 0  # the cache is updated in place
+    assert r.tokens == 256
+    assert "prefill 1 x 256 @ 4,096 ctx" in aot.table([r])
