@@ -244,16 +244,33 @@ def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, mode: Mode = "train")
             "kda": n_kda * cfg.kda.num_heads * kda_flops_per_token(cfg, seq_len, mode)}
 
 
+# A LoRA training step over a frozen base: its weights' forward and the gradient of their inputs, no
+# weight gradient (4 N instead of 6 N); the adapters train in full.
+FROZEN_TRAIN_FACTOR = 2
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, mode: Mode = "train",
                     lora: LoRAConfig | None = None) -> dict[str, float]:
-    """FLOPs per token by part of a training step (``3x`` the forward), a forward, or a decode step:
-    ``2 N_active`` per part plus the token mixing."""
+    """FLOPs per token by part of a training step (``3x`` the forward; ``2x`` for the frozen weights of
+    a LoRA step, :data:`FROZEN_TRAIN_FACTOR`), a forward, or a decode step: ``2 N_active`` per part
+    plus the token mixing (3x its forward in any training step: it has no weights)."""
     factor = STEP_FACTOR[mode]
-    out = {p: 2.0 * factor * n for p, n in active_params_by_part(cfg, lora).items()}
+    frozen = FROZEN_TRAIN_FACTOR if mode == "train" and lora is not None and lora.enabled else factor
+    out = {p: 2.0 * (factor if p == "lora" else frozen) * n for p, n in active_params_by_part(cfg, lora).items()}
     for p, f in mixing_flops_per_token(cfg, seq_len, mode).items():
         if f:
             out[p] = out.get(p, 0.0) + factor * f
     return out
+
+
+def model_flops(cfg: Config, tokens: int, mode: Mode = "train") -> float:
+    """The model FLOPs a step's measured FLOPs are compared with: ``6 N_active tokens`` for training
+    (``4 N_active + 6 N_lora`` for a LoRA step over a frozen base), ``2 N_active tokens`` otherwise."""
+    lora = cfg.train.lora if mode == "train" and cfg.train.lora.enabled else None
+    parts = active_params_by_part(cfg.model, lora)
+    adapters = parts.pop("lora", 0)
+    frozen = FROZEN_TRAIN_FACTOR if lora is not None else STEP_FACTOR[mode]
+    return 2.0 * tokens * (frozen * sum(parts.values()) + STEP_FACTOR[mode] * adapters)
 
 
 def step_flops(cfg: Config, tokens: int, seq_len: int, mode: Mode = "train") -> dict[str, float]:
@@ -273,8 +290,8 @@ def newton_schulz_flops(cfg: Config) -> float:
     Per Muon block with short side ``r`` and long side ``o``, each step forms ``X X^T`` and
     ``(b G + c G^2) X``: ``4 r^2 o + 2 r^3`` FLOPs. The blocks are the per-head / per-expert
     matrices of ``k3jax.optim`` (every batch axis, ``layers`` included, multiplies the count); none
-    with ``train.optim.optimizer=adamw``."""
-    if cfg.train.optim.optimizer != "muon":
+    with ``train.optim.optimizer=adamw`` or in a LoRA run (AdamW on the adapters)."""
+    if cfg.train.optim.optimizer != "muon" or cfg.train.lora.enabled:
         return 0.0
     from flax import nnx  # noqa: PLC0415 - only this needs the model and the optimizer's grouping
 
@@ -297,6 +314,6 @@ def newton_schulz_flops(cfg: Config) -> float:
     return total
 
 
-__all__ = ["STEP_FACTOR", "active_params_by_part", "flops_per_token", "kda_chunk_length", "kda_dense_diagonal",
-           "kda_flops_per_token", "mixing_flops_per_token", "mla_flops_per_token", "newton_schulz_flops",
-           "params_by_part", "step_flops"]
+__all__ = ["FROZEN_TRAIN_FACTOR", "STEP_FACTOR", "active_params_by_part", "flops_per_token", "kda_chunk_length",
+           "kda_dense_diagonal", "kda_flops_per_token", "mixing_flops_per_token", "mla_flops_per_token", "model_flops",
+           "newton_schulz_flops", "params_by_part", "step_flops"]
