@@ -80,7 +80,6 @@ from k3jax.analytic import newton_schulz_flops
 from k3jax.config import Config, MeshConfig, VisionConfig, load_config
 from k3jax.data.images import IMAGE_KEY_PREFIX
 from k3jax.model import K3Model, abstract_model
-from k3jax.params import count_params
 from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding, parse_mesh,
                             state_shardings)
@@ -169,6 +168,8 @@ _K3_TRAIN = ("model.remat=full", "model.moe.ep_capacity_factor=2.0", "train.opti
 # of recomputing them (1.33x instead of 1.64x the model FLOPs), once its expert buffers are cut to
 # 1.25x the fair share (QB's busiest expert sits near 1.1-1.2x; `expert_imbalance` reports it per layer)
 _K2_TRAIN = ("model.remat=selective", "model.moe.ep_capacity_factor=1.25", "train.optim.muon_dtype=bfloat16")
+_K3_LORA = ("train.lora.rank=16", "train.lora.targets=[mla,kda,shared]", "quant.experts=mxfp4",
+            "model.param_dtype=bfloat16", "model.remat=full", "model.moe.ep_capacity_factor=2.0")
 PLAN: tuple[Job, ...] = (
     Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
         overrides=("train.batch_size=256", *_K3_TRAIN)),
@@ -191,6 +192,10 @@ PLAN: tuple[Job, ...] = (
         overrides=("model.param_dtype=bfloat16", "quant.experts=mxfp4"), note="MXFP4 experts"),
     Job("k2", "train", "v5p-512", MeshConfig(data=1, fsdp=2, expert=64, sequence=2), batch=128, seq_len=4096,
         overrides=("train.batch_size=128", *_K2_TRAIN), note="selective remat, capacity 1.25"),
+    # LoRA fine-tuning of the release: the routed experts frozen in MXFP4 and the rest frozen in bf16 (no
+    # optimizer state, no weight gradients), rank-16 adapters on MLA, KDA and the shared experts in float32
+    Job("k3", "train", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=64, seq_len=4096,
+        overrides=("train.batch_size=64", *_K3_LORA), note="LoRA r16, frozen MXFP4 experts + bf16"),
 )
 
 
@@ -210,7 +215,7 @@ class Result:
     code_bytes: int = 0
     compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
     step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring); 0 = not measured
-    model_flops: float = 0.0  # 6 (train) or 2 (decode) * N_active * tokens
+    model_flops: float = 0.0  # 6 (train; 4 + adapters for LoRA) or 2 (decode) * N_active * tokens (analytic.model_flops)
     ns_flops: float = 0.0  # of step_flops: the optimizer's Newton-Schulz iterations (analytic count)
     compile_seconds: float = 0.0
     error: str = ""
@@ -323,6 +328,13 @@ def _oom_summary(err: Exception) -> str:
     return (m.group(1) if m else text.splitlines()[0])[:400]
 
 
+def job_model(cfg: Config, mode: str) -> K3Model:
+    """The abstract model a job compiles: a training job of a LoRA config (``train.lora``) carries its
+    adapters (the state then trains only them, over the frozen weights); inference jobs never do
+    (adapters are merged into the weights before serving)."""
+    return abstract_model(cfg.model, lora=cfg.train.lora if mode == "train" else None)
+
+
 def _lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
     graphdef, state = abstract_train_state(cfg, model)
     state_sh = state_shardings(state, mesh, rules)
@@ -370,11 +382,11 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
     if accum > 1:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
         log(f"  grad_accum={accum}: compiling one micro-batch's step for the FLOPs")
-        per_device = _compiled_flops(lower(cfg, mesh, abstract_model(cfg.model), rules, batch, job.seq_len), mesh)
-    groups = abstract_model(cfg.model).plan.num_groups
+        per_device = _compiled_flops(lower(cfg, mesh, job_model(cfg, job.mode), rules, batch, job.seq_len), mesh)
+    groups = job_model(cfg, job.mode).plan.num_groups
     if groups > 1:
         log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
-        baseline = lower(cfg, mesh, without_groups(abstract_model(cfg.model)), rules, batch, job.seq_len)
+        baseline = lower(cfg, mesh, without_groups(job_model(cfg, job.mode)), rules, batch, job.seq_len)
         per_device += (groups - 1) * (per_device - _compiled_flops(baseline, mesh))
     return accum * per_device * mesh.size - (accum - 1) * ns_flops
 
@@ -414,7 +426,7 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
              "prefill": functools.partial(_lower_decode, new_tokens=job.prefill_chunk or job.seq_len)}[job.mode]
     t0 = time.perf_counter()
     try:
-        lowered = lower(cfg, mesh, abstract_model(cfg.model), rules, job.batch, job.seq_len)
+        lowered = lower(cfg, mesh, job_model(cfg, job.mode), rules, job.batch, job.seq_len)
         log(f"  lowered in {time.perf_counter() - t0:.0f} s; compiling")
         with _no_persistent_cache():
             compiled = lowered.compile(options)
@@ -430,8 +442,7 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
     parts = hlo_breakdown.breakdown(compiled.as_text()) if breakdown else None
     del compiled, lowered
-    n_active = count_params(cfg.model)["active"]
-    model_flops = (6 if job.mode == "train" else 2) * n_active * result.tokens
+    model_flops = analytic.model_flops(cfg, result.tokens, job.mode)
     ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
     step_flops = 0.0
     if parts is not None:

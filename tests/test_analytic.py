@@ -110,6 +110,24 @@ def test_lora_adapters_are_their_own_part(config, targets):
     assert analytic.active_params_by_part(cfg, lora)["lora"] == counts["lora"]
 
 
+def test_lora_step_flops_skip_the_frozen_weight_gradients():
+    """A LoRA step: 2 N forward + 2 N input gradients for the frozen weights, 6 N for the adapters, the token
+    mixing at 3x its forward as in any step, and no Newton-Schulz (AdamW trains the adapters)."""
+    full = load_config("tiny", ["train.optim.optimizer=muon"])
+    tuned = load_config("tiny", ["train.lora.rank=4"])
+    n = analytic.active_params_by_part(tuned.model, tuned.train.lora)
+    adapters = n.pop("lora")
+    tokens, seq = 1024, 128
+    assert analytic.model_flops(full, tokens) == 6 * tokens * sum(n.values())
+    assert analytic.model_flops(tuned, tokens) == 2 * tokens * (2 * sum(n.values()) + 3 * adapters)
+    assert analytic.newton_schulz_flops(full) > 0 and analytic.newton_schulz_flops(tuned) == 0
+    step, mixing = analytic.step_flops(tuned, tokens, seq), analytic.mixing_flops_per_token(tuned.model, seq)
+    assert "newton_schulz" not in step
+    assert step["kda"] == pytest.approx(tokens * (4 * n["kda"] + 3 * mixing["kda"]))
+    assert step["lora"] == pytest.approx(tokens * 6 * adapters)
+    assert analytic.model_flops(tuned, tokens, "decode") == 2 * tokens * sum(n.values())
+
+
 def test_active_params_by_part():
     cfg = load_config("tiny").model
     total, active = analytic.params_by_part(cfg), analytic.active_params_by_part(cfg)
