@@ -288,3 +288,19 @@ def test_a_failed_save_in_a_bucket_lists_no_partial_step(gcs, monkeypatch):
     fs.invalidate_cache()
     assert fs.exists(f"{BUCKET}/failing/2") and not fs.exists(f"{BUCKET}/failing/2/commit_success.txt")
     assert checkpoint.manager(url).all_steps() == [1] and checkpoint.restore_model(url)[1].model == cfg.model
+
+
+def test_a_tokenizer_in_a_bucket(gcs, tmp_path, monkeypatch):
+    from k3jax.data.tokenizers import load_tokenizer
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "in": 1, "the": 2, "beginning": 3},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    storage.write_bytes(f"gs://{BUCKET}/tok/tokenizer.json", (tmp_path / "tokenizer.json").read_bytes())
+    for spec in (f"gs://{BUCKET}/tok", f"gs://{BUCKET}/tok/tokenizer.json"):
+        assert load_tokenizer(spec).encode("in the beginning") == [1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="neither 'byte' nor an existing path"):
+        load_tokenizer(f"gs://{BUCKET}/nothing")

@@ -23,6 +23,8 @@ import os
 import pathlib
 from typing import Protocol, Sequence, runtime_checkable
 
+from k3jax import storage
+
 
 @runtime_checkable
 class TextTokenizer(Protocol):
@@ -143,6 +145,10 @@ def load_tokenizer(spec: str, *, source: str = "train.data.tokenizer") -> TextTo
     (a release directory gives :class:`k3jax.tokenizer.Tokenizer`, with its chat template)."""
     if spec in ("byte", "bytes"):
         return ByteTokenizer()
+    if storage.is_remote(spec):  # a URL (gs://...): read from a copy in the local storage cache
+        if not storage.exists(spec):
+            raise FileNotFoundError(f"{source}: {spec!r} is neither 'byte' nor an existing path")
+        spec = str(storage.local_copy(spec))
     path = pathlib.Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{source}: {spec!r} is neither 'byte' nor an existing path")

@@ -54,5 +54,5 @@ def load_checkpoint_tokenizer(path: str | pathlib.Path, cfg: Config):
     ``train.data.tokenizer``."""
     ckpt = checkpoint_dir(path)
     if is_hf_dir(ckpt):
-        return load_tokenizer(str(storage.local_copy(ckpt)), source=f"{ckpt} (or name a tokenizer)")
+        return load_tokenizer(str(ckpt), source=f"{ckpt} (or name a tokenizer)")
     return load_tokenizer(cfg.train.data.tokenizer, source=f"train.data.tokenizer of {ckpt}")
