@@ -33,7 +33,7 @@ compile_cache.enable()
 # The longest files, longest first (their summed test times in a cold run of 572 tests, -n 2, on an idle
 # 2-core machine: 172, 127, 121, 117, 99, 84, 65, 63, 57, 55, 52 s; the rest take 41 s or less). Only
 # the order in which xdist hands out files depends on it; a stale list costs wall time, never a result.
-LONGEST_FILES = ("test_lora.py", "test_model.py", "test_lm_eval.py", "test_aot.py", "test_optim.py", "test_quant_qat.py", "test_serving.py",
+LONGEST_FILES = ("test_pod_job.py", "test_lora.py", "test_model.py", "test_lm_eval.py", "test_gcs.py", "test_aot.py", "test_optim.py", "test_quant_qat.py", "test_serving.py",
                  "test_parallel.py", "test_multiprocess.py", "test_decode.py", "test_pallas_tpu_aot.py",
                  "test_kda.py", "test_train_mesh.py")
 
