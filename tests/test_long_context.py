@@ -264,3 +264,60 @@ def test_aot_prefill_mode_compiles_a_chunk_into_a_long_cache():
     assert r.alias_bytes > 0  # the cache is updated in place
     assert r.tokens == 256
     assert "prefill 1 x 256 @ 4,096 ctx" in aot.table([r])
+
+
+@pytest.mark.tpu_aot
+def test_k3_mla_shards_of_a_1m_row_hold_no_keys_or_values():
+    """Full K3's MLA layer, forward and backward, on one 1,048,576-token row over v5p-1024's 512 time shards
+    (``expert=64, sequence=8``; traced only, nothing allocated or compiled): the largest per-shard arrays
+    are the gathered latent (1.125 GiB in bf16) and its blocked views; nothing else reaches a quarter of it,
+    and no array carries the heads dim over the whole row (the row's keys and values would be 60 GiB)."""
+    pytest.importorskip("libtpu")
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3jax import aot
+    from k3jax.config import MeshConfig
+    from k3jax.layers.mla import MLA
+    from k3jax.sharding import make_mesh
+
+    try:
+        devices = aot.TpuSlice.v5p("v5p-1024").devices()
+    except Exception as e:  # libtpu present but unusable on this host
+        pytest.skip(f"no TPU topology from libtpu: {e}")
+    cfg = load_config("k3").model
+    t, mla = 1 << 20, cfg.mla
+    mesh = make_mesh(MeshConfig(data=1, expert=64, sequence=8), devices)
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: MLA(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(params, x, seg, pos):
+        y, _ = nnx.merge(graphdef, params)(x, positions=pos, segment_ids=seg)
+        return jnp.sum(y.astype(jnp.float32))
+
+    row = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params, jax.ShapeDtypeStruct((1, t, cfg.hidden_size), jnp.bfloat16),
+                                               row, row).jaxpr
+
+    def shard_avals(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            nested = inside or eqn.primitive.name == "shard_map"
+            if inside:
+                yield from (v.aval for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from shard_avals(sub.jaxpr, nested)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from shard_avals(sub, nested)
+
+    avals = list(shard_avals(jaxpr, False))
+    latent_bytes = t * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 2
+    nbytes = lambda a: math.prod(a.shape) * a.dtype.itemsize  # noqa: E731
+    assert max(map(nbytes, avals)) == latent_bytes
+    assert all(nbytes(a) == latent_bytes or nbytes(a) < latent_bytes / 4 for a in avals)
+    assert not [a.shape for a in avals if t in a.shape and mla.num_heads in a.shape]
