@@ -231,7 +231,8 @@ def latent_attention(q: jax.Array, kv: jax.Array, params, q_index: jax.Array, kv
     cq, ck = min(q_chunk, t), min(kv_chunk, s)
     nq, nk = -(-t // cq), -(-s // ck)
     # padded queries sit before every key, padded keys after every query: never visible
-    q_xs = (_blocks(_pad_to(q, nq * cq, 1), cq), _blocks(_pad_to(q_index, nq * cq, 1, jnp.iinfo(q_index.dtype).min), cq),
+    q_xs = (_blocks(_pad_to(q, nq * cq, 1), cq),
+            _blocks(_pad_to(q_index, nq * cq, 1, jnp.iinfo(q_index.dtype).min), cq),
             _blocks(_pad_to(q_segment_ids, nq * cq, 1), cq))
     kv_xs = (_blocks(_pad_to(kv, nk * ck, 1), ck),
              _blocks(_pad_to(kv_index, nk * ck, 1, jnp.iinfo(kv_index.dtype).max), ck),
