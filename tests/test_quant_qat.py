@@ -71,7 +71,7 @@ def test_quant_section_alias_and_validation():
     assert cfg.model.quant.scale_rule == "ceil" and cfg.model.quant.activation_scale_rule == "ceil"
     assert load_config("tiny", ["model.quant.scale_rule=ocp"]).model.quant.scale_rule == "ocp"
     with pytest.raises(ConfigError, match="model.quant.experts"):
-        load_config("tiny", ["quant.experts=int4"])
+        load_config("tiny", ["quant.experts=int3"])
     with pytest.raises(ConfigError, match="did you mean model.quant.experts"):
         load_config("tiny", ["quant.expert=mxfp4"])
     with pytest.raises(ConfigError, match="moe.expert_dim: must be a multiple of 32"):
