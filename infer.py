@@ -10,10 +10,14 @@ end-of-turn token.
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
 unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
 or a Hugging Face model directory (e.g. a
-``to_hf`` / ``k3jax.convert`` export; MXFP4-packed experts stay packed and are dequantized on the
-fly), local or a URL (``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run
+``to_hf`` / ``k3jax.convert`` export), local or a URL (``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run
 of the default main job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
+
+Weights load in the dtype the checkpoint stores (``--dtype auto``: a HF directory's config.json
+``dtype`` / ``torch_dtype``, else its safetensors' dtype; bfloat16 for the releases), compressed
+routed experts (MXFP4, INT4, block FP8) kept compressed and dequantized on the fly; ``--dtype float32``
+or ``bfloat16`` loads in that dtype instead. The weights' bytes per device are printed at start.
 
 Devices: ``--mesh`` lays the model out over every device of every process (default ``fsdp=-1``: the
 weights split over all devices, so a model larger than one device loads); ``--distributed`` starts
@@ -40,10 +44,11 @@ from k3jax.config import ConfigError, load_config
 from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
-from k3jax.serving.loading import checkpoint_dir, load_checkpoint_tokenizer, load_model
+from k3jax.serving.loading import DTYPES, checkpoint_dir, load_checkpoint_tokenizer, load_model, weight_bytes_line
 from k3jax.serving.server import add_arguments as add_serve_arguments
 from k3jax.serving.server import serve
 from k3jax.sharding import make_mesh, parse_mesh, use_mesh
+from pallas_kernels.platform import target_platform
 
 DEFAULT_RUN = pathlib.Path("runs/default")
 
@@ -111,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", help="expected config (name or path): refuse a checkpoint that does not match")
     ap.add_argument("--lora", metavar="DIR", help="LoRA adapters for the model: a LoRA run (or its checkpoint "
                     "directory) or a PEFT adapter directory; merged into the weights before decoding")
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="parameter and compute dtype (default auto: "
+                    "the checkpoint's own; compressed experts stay compressed)")
     ap.add_argument("--prompt", help="the text to continue (required unless --serve)")
     ap.add_argument("--chat", metavar="MESSAGE", help="a user message to answer: rendered with the checkpoint's "
                     "chat format (the plain transcript for the byte tokenizer), generation stops at the end of the turn")
@@ -151,15 +158,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.exit(2, f"error: --mesh: {e}\n")
     placement = mesh if mesh.size > 1 else None
-    if jax.default_backend() == "cpu":
+    if target_platform(mesh) == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
     try:  # a LoRA run's or --lora's adapters come merged: decoding reads the merged weights (no extra matmuls)
-        model, cfg = load_model(ckpt, step=args.step, config=expected, mesh=placement, lora=args.lora)
+        model, cfg = load_model(ckpt, step=args.step, config=expected, mesh=placement, lora=args.lora,
+                                dtype=args.dtype)
         if tokenizer is None:
             tokenizer = load_checkpoint_tokenizer(ckpt, cfg)
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    print(weight_bytes_line(model), file=sys.stderr, flush=True)  # every process: its own devices
     if args.serve:
         return serve(model, tokenizer, args, name=cfg.name, mesh=mesh)
     images = None

@@ -90,6 +90,43 @@ def _kept_format(info: HFInfo, path) -> str:
     raise ValueError(f"{path}: keep_quantized=True, but config.json has no quantization_config (nothing is compressed)")
 
 
+# config.json's dtype names (transformers writes "dtype", earlier versions "torch_dtype") and the
+# safetensors floating dtypes -> the dtype k3jax holds such weights in: its two parameter dtypes,
+# float16 / float64 widened or narrowed to float32 (k3jax computes in float32 or bfloat16).
+_LOAD_DTYPE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32", "float64": "float32",
+               "BF16": "bfloat16", "F32": "float32", "F16": "float32", "F64": "float32"}
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+    """The parameter dtype (``float32`` / ``bfloat16``) that keeps a HF checkpoint's weights as it stores
+    them: config.json's ``dtype`` / ``torch_dtype``, else the floating dtype that holds most of the
+    safetensors' bytes (read from the headers). Compressed experts (MXFP4, INT4, FP8) are not counted:
+    they are kept in their own format (``keep_quantized``)."""
+    path = storage.local_copy(path)
+    hf = read_config(path)
+    for key in ("dtype", "torch_dtype"):
+        name = hf.get(key) or (hf.get("text_config") or {}).get(key)
+        if name is not None:
+            if str(name) not in _LOAD_DTYPE:
+                raise ValueError(f"{path}/config.json: {key} {name!r} is not a floating dtype k3jax loads "
+                                 f"({', '.join(k for k in _LOAD_DTYPE if k.islower())})")
+            return _LOAD_DTYPE[str(name)]
+    stored: dict[str, int] = {}
+    for fname, names in checkpoint_files(path).items():
+        f = SafetensorsFile(path / fname)
+        for name in names:
+            if f.dtype(name) in _LOAD_DTYPE:
+                stored[f.dtype(name)] = stored.get(f.dtype(name), 0) + f.nbytes(name)
+    if not stored:
+        raise ValueError(f"{path}: config.json names no dtype and no safetensors tensor is floating point")
+    return _LOAD_DTYPE[max(stored, key=stored.get)]
+
+
+def compressed_experts(info: HFInfo) -> bool:
+    """Whether the checkpoint stores its routed experts compressed (MXFP4, INT4 or block FP8)."""
+    return info.mxfp4 or info.int4 is not None or info.fp8_block is not None
+
+
 def load_hf_config(path: str | os.PathLike, *, dtype=jnp.float32, overrides=()) -> tuple[ModelConfig, HFInfo]:
     """The k3jax config (and import notes) of a HF model directory, without reading weights."""
     return config_from_hf(read_config(path), dtype=np.dtype(dtype).name, overrides=overrides)
@@ -305,4 +342,4 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Me
     return model
 
 
-__all__ = ["checkpoint_files", "from_hf", "load_hf_config", "read_config"]
+__all__ = ["checkpoint_dtype", "checkpoint_files", "compressed_experts", "from_hf", "load_hf_config", "read_config"]

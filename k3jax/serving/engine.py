@@ -82,6 +82,7 @@ from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
+from pallas_kernels.platform import target_platform
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class Engine:
         self.metrics.max_slots = max_batch
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         if unroll_layers is None:  # XLA:CPU copies a scanned layer's weights out of the stack at every step
-            unroll_layers = self.mesh is None and jax.default_backend() == "cpu"
+            unroll_layers = self.mesh is None and target_platform() == "cpu"
         self._build(unrolled(model) if unroll_layers else model)
         if self.prefix_cache is not None:
             self.prefix_cache_block_bytes = cache_bytes(jax.eval_shape(self._empty_block))
@@ -374,7 +375,7 @@ class Engine:
         if self._thread is not None:
             return self
         # glibc keeps freed memory while the engine runs, unless the process already does (k3jax/host_memory.py)
-        self._sets_host_memory = jax.default_backend() == "cpu" and not keeps_host_memory() and keep_host_memory()
+        self._sets_host_memory = target_platform(self.mesh) == "cpu" and not keeps_host_memory() and keep_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
         self._thread.start()
