@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from k3jax.parallel.context import EXPERT_AXIS
+from k3jax.parallel.context import spec_entry
+from k3jax.sharding import expert_mesh_axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic iteration's (a, b, c), as Muon / Moonlight / K2
 
@@ -153,7 +154,7 @@ def _expert_groups(mesh, num_blocks: int) -> int:
     """The groups :func:`_spread_blocks` splits ``num_blocks`` blocks into, each spread over its own
     ``mesh.size / groups`` devices: the ``expert`` axis's size when it divides the blocks (stacked experts
     stay in their expert group), else 1."""
-    experts = dict(mesh.shape).get(EXPERT_AXIS, 1)
+    experts = math.prod(dict(mesh.shape).get(a, 1) for a in expert_mesh_axes(None))
     return experts if num_blocks % experts == 0 else 1
 
 
@@ -163,10 +164,12 @@ def split_over_experts(x: jax.Array, axis: int) -> jax.Array:
     (whole batches of blocks on every device: 169 GiB of temporaries for 4 K2 layers) and of the stacked
     results (4.98 TB for K2's PLAN row)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or x.shape[axis] % dict(mesh.shape)[EXPERT_AXIS]:
+    experts = expert_mesh_axes(None)  # the `expert` rule's axes (k3jax.sharding)
+    if mesh.empty or not experts or not set(experts) <= set(mesh.axis_names) \
+            or x.shape[axis] % math.prod(dict(mesh.shape)[a] for a in experts):
         return x
     spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * x.ndim
-    spec[axis] = EXPERT_AXIS
+    spec[axis] = spec_entry(experts)
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
 
 
@@ -212,7 +215,8 @@ def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.A
     def unpad_groups(y):
         return y.reshape(groups, per_group + pad, r, o)[:, :per_group].reshape(n, r, o)
 
-    spread = P(tuple(sorted(mesh.axis_names, key=lambda a: a != EXPERT_AXIS)), None, None)  # expert first
+    experts = expert_mesh_axes(None)
+    spread = P(tuple(sorted(mesh.axis_names, key=lambda a: a not in experts)), None, None)  # expert first
     if any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return jax.lax.with_sharding_constraint(pad_groups(x), spread), unpad_groups
     orig = tuple(jax.typeof(x).sharding.spec) + (None,) * 3  # explicit axes: the sharding is in the type

@@ -6,6 +6,12 @@ copies the metadata), and batches and decoding caches get theirs here (:data:`BA
 :data:`CACHE_AXES`). A rule table maps each logical name to mesh axes, so a user changes a layout
 without touching model code.
 
+One table rules both the automatic (GSPMD) and the manual (``jax.shard_map``) layouts: the
+``k3jax.parallel`` regions derive their PartitionSpecs and collective axes from it (the batch and
+time axes from ``batch`` / ``length``, heads from ``heads``, the expert-parallel axes from
+``expert``: :func:`expert_mesh_axes`, :func:`token_mesh_axes`). Functions taking ``rules`` default
+to the active table: :data:`DEFAULT_RULES`, or the one :func:`axis_rules` sets around a program.
+
 Rule semantics (MaxText's convention, made shape-aware): a rule lists candidates, each one mesh axis
 or a tuple of them; the first candidate that still has a usable axis wins, where usable means of size
 > 1 and not already taken by an earlier dimension of the same array. Of a tuple, the free axes are
@@ -23,6 +29,7 @@ state sharded), ``expert`` (routed experts; also splits the batch and, as FSDP, 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from typing import Any, Sequence
@@ -34,7 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.cache import KDACache, MLACache, ModelCache
 from k3jax.config import MeshConfig
-from k3jax.parallel.context import BATCH_MESH_AXES, current_mesh
+from k3jax.parallel.context import current_mesh, split_axes
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
@@ -45,7 +52,8 @@ FSDP_STORAGE_AXES = ("fsdp", "expert", "sequence")
 
 # logical name -> candidate mesh axes (first usable one wins; a tuple entry shards over several axes).
 DEFAULT_RULES: Rules = (
-    ("batch", (BATCH_MESH_AXES,)),
+    # The data-like axes, in mesh order.
+    ("batch", (("data", "fsdp", "expert"),)),
     # The time axis: over `sequence` and every data-like axis the batch leaves free (the batch rule comes
     # first), so one long row with fewer rows than data-parallel devices still puts distinct tokens on
     # each device (k3jax/parallel/sequence.py runs its token-mixing ops over the same axes).
@@ -86,6 +94,36 @@ WEIGHT_USE_RULES: Rules = (
     ("expert", ("expert",)),
     ("expert_mlp", ("tensor",)),
 )
+
+# The active tables (axis_rules): read at trace time, like the mesh of jax.set_mesh.
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Rules]] = contextvars.ContextVar(
+    "k3jax_axis_rules", default=(DEFAULT_RULES, WEIGHT_USE_RULES))
+
+
+@contextlib.contextmanager
+def axis_rules(rules: Rules, weight_use_rules: Rules | None = None):
+    """Make ``rules`` (and ``weight_use_rules``, the layout at use of :func:`gather_weight`) the active
+    tables inside the ``with`` block: every function of this module called without ``rules``, and the
+    ``shard_map`` regions of ``k3jax.parallel``, follow them. The tables are read when a function is
+    traced: a ``jax.jit`` function traced under one table keeps it (enter the block around the whole
+    program, tracing included, as with ``jax.set_mesh``)."""
+    use = WEIGHT_USE_RULES if weight_use_rules is None else weight_use_rules
+    token = _ACTIVE.set((tuple(rules), tuple(use)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_rules() -> Rules:
+    """The active rule table (:data:`DEFAULT_RULES` outside :func:`axis_rules`)."""
+    return _ACTIVE.get()[0]
+
+
+def current_weight_use_rules() -> Rules:
+    """The active layout-at-use table (:data:`WEIGHT_USE_RULES` outside :func:`axis_rules`)."""
+    return _ACTIVE.get()[1]
+
 
 # The text arrays of a training batch (``k3jax.data``), all ``[B, T]``, and their logical axes.
 TEXT_BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets", "loss_mask")
@@ -137,13 +175,13 @@ def parse_mesh(text: str, default: MeshConfig = MeshConfig(data=1)) -> MeshConfi
     return cfg
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None,
+def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None, mesh: Mesh | None = None,
                     shape: Sequence[int] | None = None) -> P:
     """PartitionSpec of one array from its logical axis names (see the module docstring).
 
     Without ``mesh`` every named axis counts as usable; without ``shape`` divisibility is not checked.
     """
-    table = dict(rules)
+    table = dict(current_rules() if rules is None else rules)
     used: set[str] = set()
     out = []
     for i, name in enumerate(axes):
@@ -162,16 +200,40 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, me
     return P(*out)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis or a tuple of axes), as a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_mesh_axes(mesh, rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes the routed experts are split over, the ``expert`` rule's (what the expert weights'
+    storage uses): the axes of the expert-parallel exchange. () when no axis of ``mesh`` is usable;
+    without a mesh, the rule's first candidate."""
+    return spec_axes(logical_to_spec(("expert",), rules, mesh)[0])
+
+
+def token_mesh_axes(mesh, num_tokens: int, rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes ``num_tokens`` flattened ``[batch * length]`` tokens split over in a per-token
+    ``shard_map`` region, so that each device owns distinct tokens: the ``batch`` rule's axes, then the
+    ``length`` rule's, then the mesh's other axes, each taken when its size keeps dividing the count."""
+    if mesh is None:
+        return ()
+    table = dict(current_rules() if rules is None else rules)
+    ruled = [a for name in ("batch", "length") for cand in table.get(name, ()) for a in spec_axes(cand)]
+    order = list(dict.fromkeys(ruled + list(mesh.axis_names)))
+    return split_axes(mesh, order, num_tokens)
+
+
 def named_sharding(mesh: Mesh, axes: Sequence[str | None] | None, shape: Sequence[int],
-                   rules: Rules = DEFAULT_RULES) -> NamedSharding:
+                   rules: Rules | None = None) -> NamedSharding:
     """The NamedSharding of one array of ``shape`` with logical ``axes`` (None: replicated)."""
     spec = logical_to_spec(axes, rules, mesh, shape) if axes else P()
     return NamedSharding(mesh, spec)
 
 
-def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules = WEIGHT_USE_RULES) -> jax.Array:
-    """``w`` constrained to its layout at use (:data:`WEIGHT_USE_RULES`) under the current mesh: the
-    FSDP all-gather, made explicit. Without it GSPMD may keep a weight split along its contracting
+def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules | None = None) -> jax.Array:
+    """``w`` constrained to its layout at use (``rules``, default the active :data:`WEIGHT_USE_RULES`)
+    under the current mesh: the FSDP all-gather, made explicit. Without it GSPMD may keep a weight split along its contracting
     (``embed``) dimension, the same mesh axes that split the batch, and resolve the conflict by
     replicating the activations instead (the full K3 batch's MoE activations on every device).
     Identity without a mesh or inside ``shard_map``. ``axes``: the weight's logical names; inside the
@@ -182,11 +244,11 @@ def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules 
     if mesh is None or not axes:
         return w
     axes = tuple(axes)[len(axes) - w.ndim:]
-    return _gathered(w, logical_to_spec(axes, rules, mesh, w.shape),
-                     logical_to_spec(axes, DEFAULT_RULES, mesh, w.shape))
+    use_rules = current_weight_use_rules() if rules is None else rules
+    return _gathered(w, logical_to_spec(axes, use_rules, mesh, w.shape), logical_to_spec(axes, None, mesh, w.shape))
 
 
-def constrain_activation(x: jax.Array, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> jax.Array:
+def constrain_activation(x: jax.Array, axes: Sequence[str | None], rules: Rules | None = None) -> jax.Array:
     """``x`` constrained to the layout of its logical ``axes`` (e.g. ``("batch", "length", "mlp")``) under the
     current mesh, its cotangent too; identity without a mesh or inside ``shard_map``. For activations whose
     layout GSPMD would otherwise choose: in the backward of K3's dense FFN on v5p-1024 it split the batch
@@ -224,7 +286,7 @@ def _value_of(var):
     return var.get_raw_value() if isinstance(var, nnx.Variable) else var
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
     """NamedShardings for every Variable of an NNX state (model, optimizer or whole train state),
     from its ``out_sharding`` names; a prefix tree of ``state`` (one sharding per Variable)."""
 
@@ -250,7 +312,7 @@ def abstract_with_shardings(state: Any, shardings: Any) -> Any:
     return jax.tree.map(place, shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
     """Place a model's variables on ``mesh`` according to the rules (in place; returns the model)."""
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh, rules)
@@ -260,7 +322,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     return model
 
 
-def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES, shape: Sequence[int] | None = None) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules: Rules | None = None, shape: Sequence[int] | None = None) -> NamedSharding:
     """Sharding of ``[B, T]`` input arrays: batch over the data-like axes, length over ``sequence``
     (axes that do not divide ``shape``, when given, are left out)."""
     return NamedSharding(mesh, logical_to_spec(BATCH_LOGICAL_AXES, rules, mesh, shape))
@@ -272,7 +334,7 @@ def batch_array_axes(key: str, ndim: int) -> tuple[str | None, ...]:
     return BATCH_LOGICAL_AXES if ndim == 2 and key in TEXT_BATCH_KEYS else ("batch",) + (None,) * (ndim - 1)
 
 
-def shard_batch(batch: dict, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
+def shard_batch(batch: dict, mesh: Mesh, rules: Rules | None = None) -> dict:
     """This process's rows of a global batch (numpy) -> global arrays on ``mesh``.
 
     Each array is split as :func:`batch_array_axes` says. Every process passes its
@@ -293,7 +355,7 @@ def use_mesh(mesh: Mesh):
     return jax.set_mesh(mesh) if mesh.size > 1 else contextlib.nullcontext()
 
 
-def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:
+def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules | None = None) -> ModelCache:
     """NamedShardings of a decoding cache (arrays or ShapeDtypeStructs), tree-shaped like it.
 
     Layer caches use :data:`CACHE_AXES`; the scanned groups' caches have one more leading axis

@@ -5,19 +5,13 @@ Layers ask :func:`current_mesh` at trace time: it is the mesh of the enclosing `
 ``shard_map`` over the same axes is not possible). The ``shard_map`` regions then split each
 dimension over the axes that divide it, so odd batch sizes (one decode token, a batch of 1 on a
 data-parallel mesh) still work: the dimension is simply replicated over the axes that do not fit.
+Which axes a dimension may use comes from the rule table of ``k3jax.sharding`` (no axis is named here).
 """
 
 from __future__ import annotations
 
 import jax
 from jax.sharding import AxisType
-
-# Mesh axes that carry the batch, in the order `k3jax.sharding.MESH_AXES` lays them out (the
-# ``batch`` rule of `k3jax.sharding.DEFAULT_RULES` is this tuple).
-BATCH_MESH_AXES = ("data", "fsdp", "expert")
-SEQUENCE_AXIS = "sequence"
-TENSOR_AXIS = "tensor"
-EXPERT_AXIS = "expert"
 
 
 def current_mesh() -> jax.sharding.AbstractMesh | None:

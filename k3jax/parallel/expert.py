@@ -50,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import kernels
 from k3jax.ops.moe import combine_experts
-from k3jax.parallel.context import EXPERT_AXIS, axis_size, current_mesh, spec_entry, split_axes
+from k3jax.parallel.context import axis_size, current_mesh, spec_entry
+from k3jax.sharding import expert_mesh_axes, token_mesh_axes
 from pallas_kernels.platform import target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
@@ -84,23 +85,27 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     if mesh is None:
         raise ValueError("expert_parallel_experts needs a mesh (jax.set_mesh)")
     n = z.shape[0]
-    ep = axis_size(mesh, EXPERT_AXIS)
+    # the layouts come from the rule table (k3jax.sharding): experts as the `expert` rule stores them
+    ep_axes = expert_mesh_axes(mesh)
+    ep = math.prod(axis_size(mesh, a) for a in ep_axes)
     if w_gate.shape[0] % ep:
-        raise ValueError(f"{w_gate.shape[0]} experts do not split over expert axis of size {ep}")
-    token_axes = split_axes(mesh, mesh.axis_names, n)
+        raise ValueError(f"{w_gate.shape[0]} experts do not split over the expert rule's mesh axes {ep_axes} "
+                         f"(size {ep})")
+    token_axes = token_mesh_axes(mesh, n)
     tokens = P(spec_entry(token_axes), None)
-    expert_spec = P(EXPERT_AXIS if ep > 1 else None, None, None)
+    axis = spec_entry(ep_axes)  # the exchange's collective axis name(s)
+    expert_spec = P(axis, None, None)
     impl = kernels.resolve_moe_impl(impl, target_platform(mesh))
     body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
-                             capacity_factor=capacity_factor,
-                             tokens_split=EXPERT_AXIS in token_axes)
+                             capacity_factor=capacity_factor, axis=axis,
+                             tokens_split=bool(ep_axes) and set(ep_axes) <= set(token_axes))
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
                          out_specs=tokens)(z, experts, weights, w_gate, w_up, w_down)
 
 
 def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, linear_beta, dispatch, ep,
-                tokens_split, capacity_factor, impl, act_quant=None):
+                tokens_split, capacity_factor, impl, axis, act_quant=None):
     """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` -> u ``[n, L]`` float32."""
     quant = {} if act_quant is None else {"act_quant": act_quant}
     n, k = experts.shape
@@ -115,8 +120,8 @@ def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, 
         return combine_experts(weights, pair_out)
     if tokens_split and dispatch in ("ragged_all_to_all", "all_to_all"):
         exchange = jax.lax.ragged_all_to_all if dispatch == "ragged_all_to_all" else dense_ragged_all_to_all
-        return _exchange_experts(z, experts, weights, glu, w_gate.shape[0], ep, exchange, capacity_factor)
-    return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor)
+        return _exchange_experts(z, experts, weights, glu, w_gate.shape[0], ep, exchange, capacity_factor, axis)
+    return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor, axis)
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -161,11 +166,11 @@ def _keep_prefix(counts, keep):
     return ends - jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
 
 
-def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacity_factor):
+def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacity_factor, axis):
     """Send every (token, expert) pair to the device owning the expert and the result back.
 
     z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32. ``exchange`` has the signature
-    and semantics of ``jax.lax.ragged_all_to_all`` over the ``expert`` axis.
+    and semantics of ``jax.lax.ragged_all_to_all`` over ``axis`` (the expert mesh axis or axes).
 
     Each device sends one slice per (destination, local expert), and each slice lands where the
     destination's receive buffer is already grouped by expert: expert 0's pairs from src 0, 1, ...,
@@ -174,14 +179,14 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     backward, were most of a dropless step's memory).
     """
     n, k = experts.shape
-    me = jax.lax.axis_index(EXPERT_AXIS)
+    me = jax.lax.axis_index(axis)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
     # The gathers of this module have in-range indices by construction: mode="clip" skips the default
     # "fill" mode's out-of-range select, a pass over (and a buffer of) every gathered row.
     sent = jnp.take(z, order // k, axis=0, mode="clip")  # [n*k, L]
     counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
-    all_counts = jax.lax.all_gather(counts, EXPERT_AXIS)  # [src, E]
+    all_counts = jax.lax.all_gather(counts, axis)  # [src, E]
     # where each global expert's pairs start in its sender's sorted pairs: [src, dst, e]
     send_starts = _exclusive_cumsum(all_counts, axis=1).reshape(ep, ep, num_local)
     pairs = all_counts.reshape(ep, ep, num_local).transpose(1, 2, 0)  # [dst, e, src] pairs sent
@@ -197,31 +202,31 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
                     output_offsets=recv_starts[:, :, me].reshape(-1), recv_sizes=kept[me].T.reshape(-1))
     # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
     received = exchange(sent, jnp.zeros_like(sent, shape=(capacity, sent.shape[1])), **to_peers,
-                        axis_name=EXPERT_AXIS)
+                        axis_name=axis)
     # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
     results = glu(received, jnp.sum(kept[me], axis=1))
     back = dict(input_offsets=recv_starts[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
                 output_offsets=send_starts[:, me].reshape(-1), recv_sizes=to_peers["send_sizes"])
-    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), **back, axis_name=EXPERT_AXIS)
+    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), **back, axis_name=axis)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
     return combine_experts(weights, pair_out)
 
 
-def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, capacity_factor):
+def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, capacity_factor, axis):
     """Every device of an ``expert`` group sees the group's tokens and applies its own experts; the
     partial sums are reduced (and scattered back to the tokens' owners when they were split).
 
     z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32.
     """
     if tokens_split:
-        z, experts, weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (z, experts, weights))
+        z, experts, weights = (jax.lax.all_gather(a, axis, tiled=True) for a in (z, experts, weights))
     else:
         # Replicated tokens are gathered below with indices that differ per device; typed as
         # invariant, jax 0.10.2 transposes that gather wrongly (the gradient lands on the wrong
         # rows), so they are made device-varying explicitly (the cotangent is then psum-ed).
-        z = jax.lax.pcast(z, EXPERT_AXIS, to="varying")
+        z = jax.lax.pcast(z, axis, to="varying")
     m, k = experts.shape
-    first = jax.lax.axis_index(EXPERT_AXIS) * num_local
+    first = jax.lax.axis_index(axis) * num_local
     local = experts.reshape(-1) - first
     is_local = (local >= 0) & (local < num_local)
     local_expert = jnp.where(is_local, local, num_local)
@@ -240,8 +245,8 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
     partial = combine_experts(weights, pair_out)
     if tokens_split:
-        return jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-    return jax.lax.psum(partial, EXPERT_AXIS)
+        return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(partial, axis)
 
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):

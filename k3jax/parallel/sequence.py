@@ -25,10 +25,10 @@ ops that mix tokens (everything else in the model is per token and stays plain G
   with attention in the latent space (the absorbed form) and with a ring over KV shards.
 
 Inside the ``shard_map`` the batch and the time axis split as the residual stream does (the ``batch`` and
-``length`` rules of ``k3jax.sharding``): the batch over the data-like axes that divide it, the time axis
+``length`` rules of the active table of ``k3jax.sharding``): the batch over the data-like axes that divide it, the time axis
 over ``sequence`` and the data-like axes the batch leaves free (one 1M-token row on ``expert=64,
-sequence=8`` runs on 512 time shards, not 8 shards each repeated on 64 devices), the heads over
-``tensor`` when they divide; the other axes hold replicas. "Sequence shards" below are these time shards.
+sequence=8`` runs on 512 time shards, not 8 shards each repeated on 64 devices), the heads as the ``heads``
+rule says (over ``tensor``) when they divide; the other axes hold replicas. "Sequence shards" below are these time shards.
 """
 
 from __future__ import annotations
@@ -42,24 +42,20 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import conv as conv_ops
 from k3jax.ops import kda as kda_ops
-from k3jax.parallel.context import TENSOR_AXIS, axis_size, current_mesh, spec_entry, split_axes
-from k3jax.sharding import DEFAULT_RULES, logical_to_spec
+from k3jax.parallel.context import axis_size, current_mesh
+from k3jax.sharding import logical_to_spec, spec_axes
 
 # The KDA state fold runs in full float32 precision, like chunk_kda's own matmuls.
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def time_axes(batch: int, seq_len: int, mesh=None) -> tuple[str, ...]:
     """The mesh axes the time axis of a ``[batch, seq_len, ...]`` activation splits over: the ``length``
-    rule of ``k3jax.sharding`` after the ``batch`` rule took its axes (in mesh order; () without a mesh)."""
+    rule of the active table (``k3jax.sharding``) after the ``batch`` rule took its axes (() without a mesh)."""
     mesh = current_mesh() if mesh is None else mesh
     if mesh is None:
         return ()
-    return _entry_axes(logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))[1])
+    return spec_axes(logical_to_spec(("batch", "length"), None, mesh, (batch, seq_len))[1])
 
 
 def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None, *, batch: int) -> int:
@@ -76,10 +72,10 @@ def sequence_shards(seq_len: int, min_shard_len: int = 1, mesh=None, *, batch: i
 
 
 def _specs(mesh, batch: int, seq_len: int, heads: int):
-    """(batch entry, time axes, heads entry) of the PartitionSpecs inside the shard_map: batch and time as
-    ``k3jax.sharding`` lays out the residual stream, heads over ``tensor`` when they divide."""
-    b_entry, t_entry = logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))
-    return b_entry, _entry_axes(t_entry), spec_entry(split_axes(mesh, (TENSOR_AXIS,), heads))
+    """(batch entry, time axes, heads entry) of the PartitionSpecs inside the shard_map: batch, time and
+    heads as the active rule table (``k3jax.sharding``) lays out a ``[B, T, H, ...]`` activation."""
+    b_entry, t_entry, h_entry = logical_to_spec(("batch", "length", "heads"), None, mesh, (batch, seq_len, heads))
+    return b_entry, spec_axes(t_entry), h_entry
 
 
 # --------------------------------------------------------------------------------------- short conv
@@ -232,8 +228,8 @@ def on_own_tokens(fn: Callable[..., object], tokens: jax.Array, *shared: jax.Arr
     mesh = current_mesh()
     if mesh is None:
         return fn(tokens, *shared)
-    b_entry, t_entry = logical_to_spec(("batch", "length"), DEFAULT_RULES, mesh, (batch, seq_len))
-    axes = _entry_axes(b_entry) + _entry_axes(t_entry)
+    b_entry, t_entry = logical_to_spec(("batch", "length"), None, mesh, (batch, seq_len))
+    axes = spec_axes(b_entry) + spec_axes(t_entry)
     if not axes:
         return fn(tokens, *shared)
     spec = P(axes)
