@@ -478,8 +478,9 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
              "| collective | GB per device | s at ICI |", "|---|---|---|"]
     lines += [f"| {k} | {v / 1e9:.2f} | {v / V5P_ICI_BYTES_PER_S:.3f} |" for k, v in sorted(b.collective_bytes.items())]
     lines += ["", f"FLOPs / (6 or 2) N_active tokens, Newton-Schulz apart: {summary['ratio_without_ns']:.2f} "
-              f"({summary['ratio_without_ns_with_attention']:.2f} with attention in the denominator); Newton-Schulz "
-              f"{summary['ns_ratio']:.2f}x its analytic count per device; {b.attributed_share:.1%} attributed; "
+              f"({summary['ratio_without_ns_with_attention']:.2f} with attention in the denominator); "
+              + (f"Newton-Schulz {summary['ns_ratio']:.2f}x its analytic count per device; " if r.ns_flops else "")
+              + f"{b.attributed_share:.1%} attributed; "
               f"compute at peak {compute_s:.2f} s, collectives at ICI {comm_s:.2f} s"]
     return "\n".join(lines), {**b.to_json(), "summary": summary, "analytic_per_device":
                               {k: v / n for k, v in (r.analytic or {}).items()}}
@@ -582,8 +583,6 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--seq-len {seq}: the rows do not split over the mesh's sequence={mesh.sequence} shards")
         if args.mode == "prefill" and not 0 <= args.prefill_chunk <= seq:
             ap.error(f"--prefill-chunk {args.prefill_chunk} must be in [1, --seq-len {seq}] (0: the whole context)")
-        if args.mode == "prefill" and args.breakdown is not None:
-            ap.error("--breakdown has no analytic count of a prefill chunk yet: use --mode train or decode")
         jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib,
                     prefill_chunk=args.prefill_chunk if args.mode == "prefill" else 0)]
     else:  # the PLAN, each job under its own budget unless --hbm-gib overrides them all

@@ -254,7 +254,8 @@ def test_a_context_longer_than_the_cache_or_the_model_is_refused():
 @pytest.mark.tpu_aot
 def test_aot_prefill_mode_compiles_a_chunk_into_a_long_cache():
     """``python -m k3jax.aot --mode prefill``: a prompt chunk written into a cache of the whole context,
-    compiled for a v5p slice (libtpu, no TPU), cache donated; the table names the chunk and the context."""
+    compiled for a v5p slice (libtpu, no TPU), cache donated; the table names the chunk and the context, and
+    ``--breakdown`` counts its attention."""
     pytest.importorskip("libtpu")
     from k3jax import aot
     from k3jax.config import MeshConfig
@@ -265,10 +266,14 @@ def test_aot_prefill_mode_compiles_a_chunk_into_a_long_cache():
         pytest.skip(f"no TPU topology from libtpu: {e}")
     job = aot.Job("small", "prefill", "v5p-8", MeshConfig(data=1, fsdp=2, expert=2), batch=1, seq_len=4096,
                   overrides=("model.layout=mla", "model.num_layers=2"), prefill_chunk=256)
-    r = aot.compile_job(job, devices=devices, flops=False)
+    r = aot.compile_job(job, devices=devices, breakdown=True)
     assert not r.error and r.fits, r.error
     assert r.alias_bytes > 0  # the cache is updated in place
     assert r.tokens == 256
+    # The breakdown counts the chunk's absorbed attention over the whole cache as the analytic model does.
+    mla = r.breakdown.part_flops("mla") * r.num_devices
+    assert mla == pytest.approx(r.analytic["mla"], rel=0.05), (mla, r.analytic["mla"])
+    assert "its analytic count" not in aot.breakdown_report(r)[0]  # no Newton-Schulz outside training
     assert "prefill 1 x 256 @ 4,096 ctx" in aot.table([r])
 
 
