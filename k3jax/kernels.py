@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from pallas_kernels.platform import platform_kind, target_platform
+
 
 # What ``auto`` picks per platform (docs/kernels.md has the measurements behind each entry); any other
 # platform gets the references.
@@ -26,14 +28,10 @@ AUTO_KDA = {"tpu": "xla", "gpu": "xla"}
 AUTO_MOE = {"tpu": "pallas", "gpu": "ragged_dot"}
 
 
-def _platform_kind(platform: str) -> str:
-    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-
-
 def resolve_kda_impl(impl: str, platform: str) -> str:
     """``model.kda_impl`` for a program lowered for ``platform``: ``auto`` -> ``AUTO_KDA`` (``xla`` off it)."""
     if impl == "auto":
-        return AUTO_KDA.get(_platform_kind(platform), "xla")
+        return AUTO_KDA.get(platform_kind(platform), "xla")
     return impl
 
 
@@ -53,8 +51,6 @@ def chunk_kda(impl: str) -> Callable:
 
 
 def _auto_chunk_kda(*args, **kwargs):
-    from pallas_kernels.platform import target_platform
-
     return chunk_kda(resolve_kda_impl("auto", target_platform()))(*args, **kwargs)
 
 
@@ -62,7 +58,7 @@ def resolve_moe_impl(impl: str, platform: str) -> str:
     """``model.moe_impl`` for a program lowered for ``platform``: ``auto`` -> ``AUTO_MOE`` (``pallas`` on
     TPU, else ``ragged_dot``)."""
     if impl == "auto":
-        return AUTO_MOE.get(_platform_kind(platform), "ragged_dot")
+        return AUTO_MOE.get(platform_kind(platform), "ragged_dot")
     return impl
 
 

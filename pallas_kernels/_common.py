@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.platform import target_platform
+from pallas_kernels.platform import ACCELERATORS, target_platform
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -48,11 +48,11 @@ def resolve(interpret, backend):
     """
     platform = target_platform()
     if backend is None:
-        backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
+        backend = "gpu" if platform == "gpu" else "tpu"
     if backend not in ("tpu", "gpu"):
         raise ValueError(f"backend must be 'tpu', 'gpu' or None, got {backend!r}")
     if interpret is None:
-        interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
+        interpret = platform not in ACCELERATORS
     return interpret, backend
 
 

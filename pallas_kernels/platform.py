@@ -6,18 +6,29 @@ kernels importing anything from above.
 
 import jax
 
+# JAX's names for a GPU platform: devices and the default backend say "gpu", lowering and abstract
+# devices "cuda" / "rocm".
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# The platforms the kernels and the ragged collectives are built for (anything else interprets / falls back).
+ACCELERATORS = ("tpu", "gpu")
+
+
+def platform_kind(platform: str) -> str:
+    """``'gpu'`` for any spelling of a GPU platform (:data:`GPU_PLATFORMS`), else ``platform`` itself."""
+    return "gpu" if platform in GPU_PLATFORMS else platform
+
 
 def target_platform(mesh=None) -> str:
-    """``'cpu'``, ``'tpu'``, ``'gpu'`` (or the backend's name): the platform of ``mesh``'s devices, or
-    without one of the current mesh (``jax.set_mesh``; also inside ``shard_map``), else the default
-    backend. An AOT compile for a TPU topology on a CPU host thus targets ``'tpu'``, not
-    ``jax.default_backend()``."""
+    """``'cpu'``, ``'tpu'``, ``'gpu'`` (CUDA and ROCm alike, :func:`platform_kind`; or the backend's
+    name): the platform of ``mesh``'s devices, or without one of the current mesh (``jax.set_mesh``;
+    also inside ``shard_map``), else the default backend. An AOT compile for a TPU topology on a CPU
+    host thus targets ``'tpu'``, not ``jax.default_backend()``."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
     if device is not None and not getattr(mesh, "empty", False):
-        return device.platform
-    return jax.default_backend()
+        return platform_kind(device.platform)
+    return platform_kind(jax.default_backend())
 
 
-__all__ = ["target_platform"]
+__all__ = ["ACCELERATORS", "GPU_PLATFORMS", "platform_kind", "target_platform"]

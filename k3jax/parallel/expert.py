@@ -52,7 +52,7 @@ from k3jax import kernels
 from k3jax.ops.moe import combine_experts
 from k3jax.parallel.context import axis_size, current_mesh, spec_entry
 from k3jax.sharding import expert_mesh_axes, token_mesh_axes
-from pallas_kernels.platform import target_platform
+from pallas_kernels.platform import ACCELERATORS, target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
 
@@ -60,7 +60,7 @@ DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
 def resolve_dispatch(dispatch: str, mesh) -> str:
     """``auto`` -> the backend's exchange (the mesh's platform, which AOT compiles set to TPU)."""
     if dispatch == "auto":
-        return "ragged_all_to_all" if target_platform(mesh) in ("tpu", "gpu") else "all_gather"
+        return "ragged_all_to_all" if target_platform(mesh) in ACCELERATORS else "all_gather"
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"unknown expert-parallel dispatch {dispatch!r}; expected auto or one of {DISPATCH_MODES}")
     return dispatch
