@@ -1,9 +1,12 @@
 """Per-row sampling for a batch of unrelated requests: each row has its own temperature, top-p and
 random key (``k3jax.sampling.sample_logits`` takes one setting for the whole batch, as ``generate``
-needs). Row for row the same rule: greedy at temperature 0, else temperature, then nucleus."""
+needs). Row for row the same rule: greedy at temperature 0, else temperature, then the nucleus
+(``k3jax.sampling.nucleus``)."""
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.sampling import nucleus
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -18,11 +21,6 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
 
 def _draw(logits, keys, temperature, top_p, greedy):
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass strictly before it is below top_p (the top token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p[:, None], sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    nucleus = jnp.where((top_p[:, None] < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, nucleus)
+    kept = nucleus(scaled, top_p[:, None])
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])(keys, kept)
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
