@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from k3jax.config import load_config  # noqa: E402
-from k3jax.data.tokenizers import ByteTokenizer  # noqa: E402
+from k3jax.tokenizer import ByteTokenizer  # noqa: E402
 from k3jax.host_memory import keeps_host_memory  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402

@@ -43,7 +43,7 @@ from k3jax.config import Config, to_dict
 from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.data.images import make_dataset
 from k3jax.data.pipeline import batch_summary
-from k3jax.data.tokenizers import load_tokenizer
+from k3jax.tokenizer import load_tokenizer
 from k3jax.generate import generate
 from k3jax.optim import learning_rate_schedule
 from k3jax.run_lock import LOCK_FILE, RunLockedError, lock_run_dir

@@ -17,7 +17,7 @@ from k3jax.data.chat import (END_OF_TURN, NOT_TRAINED, ConversationToPieces, con
                              open_conversations, parse_conversation, render_conversation, scan_conversations,
                              trained_tokens)
 from k3jax.data.pipeline import batch_summary, make_train_dataset
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 
 pytest.importorskip("tiktoken")
 from k3jax.tokenizer import Tokenizer  # noqa: E402

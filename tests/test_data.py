@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from k3jax.config import DataConfig, TrainConfig
-from k3jax.data import (ByteTokenizer, HFTokenizer, batch_summary, bundled_corpus_path, load_tokenizer,
-                        make_train_dataset, open_documents, split_indices)
+from k3jax.data import batch_summary, bundled_corpus_path, make_train_dataset, open_documents, split_indices
 from k3jax.data.pipeline import document_hash
 from k3jax.data.sources import split_text_documents
+from k3jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 KEYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32, "targets": np.int32,
         "loss_mask": np.float32}

@@ -291,7 +291,7 @@ def test_a_failed_save_in_a_bucket_lists_no_partial_step(gcs, monkeypatch):
 
 
 def test_a_tokenizer_in_a_bucket(gcs, tmp_path, monkeypatch):
-    from k3jax.data.tokenizers import load_tokenizer
+    from k3jax.tokenizer import load_tokenizer
 
     monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
     tokenizers = pytest.importorskip("tokenizers")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from k3jax import create_model, generate, load_config
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.engine import Engine
 from test_serving import running_server
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.engine import Engine
 from k3jax.serving.logprob_fields import token_bytes, token_text
 from k3jax.serving.logprobs import MAX_LOGPROBS, token_logprobs

@@ -22,7 +22,7 @@ from k3jax.config import load_config
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
 from k3jax.data.pipeline import make_train_dataset
 from k3jax.data.sources import BadRecordError, GuardedRecords, open_documents
-from k3jax.data.tokenizers import load_tokenizer
+from k3jax.tokenizer import load_tokenizer
 from k3jax.run_log import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

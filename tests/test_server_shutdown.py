@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.api import create_app
 from k3jax.serving.metrics import Metrics
 from test_serving import client, post, running_server
@@ -141,7 +141,7 @@ def test_oversized_body_is_413_before_it_is_read():
 
 SERVER = """
 import sys; sys.path[:0] = [{root!r}, {tests!r}]
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.server import run_server
 from test_server_shutdown import SlowEngine
 run_server(SlowEngine(), ByteTokenizer(), "tiny", host="127.0.0.1", port={port}, drain_timeout_s=1.5,

@@ -15,10 +15,9 @@ import threading
 import pytest
 
 from k3jax.data.chat import END_OF_TURN
-from k3jax.data.tokenizers import ByteTokenizer
 from k3jax.serving.assistant_reply import K2ReplyStream, ReplyStream, parse_reply
 from k3jax.serving.metrics import Metrics
-from k3jax.tokenizer import CLOSE, OPEN, SEP, Tokenizer
+from k3jax.tokenizer import CLOSE, OPEN, SEP, ByteTokenizer, Tokenizer
 from test_chat_data import K2_SPECIALS, K2_TEMPLATE, _tiktoken_tokenizer
 from test_serving import client, post, running_server
 from test_tokenizer import write_tokenizer

@@ -10,7 +10,7 @@ from flax import nnx
 
 from k3jax.config import VisionConfig, load_config
 from k3jax.data.images import SyntheticCaptions, make_multimodal_dataset, vision_batch
-from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.generate import generate
 from k3jax.model import create_model
 from k3jax.vision.inputs import pack_images

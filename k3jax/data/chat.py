@@ -51,7 +51,7 @@ import numpy as np
 from k3jax.config import DataConfig
 from k3jax.config.fields import check_choice, field_types
 from k3jax.data.sources import bundled_chat_path, open_records
-from k3jax.data.tokenizers import TextTokenizer
+from k3jax.tokenizer import TextTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from k3jax.config import Config, TrainConfig, VisionConfig
 from k3jax.data.pipeline import IndexedDocuments, local_batch_size, make_train_dataset, split_indices
-from k3jax.data.tokenizers import TextTokenizer
+from k3jax.tokenizer import TextTokenizer
 from k3jax.vision.inputs import VisionInputs, pack_images
 from k3jax.vision.processor import image_token_ids, media_mask, process_image
 

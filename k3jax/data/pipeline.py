@@ -61,7 +61,7 @@ import numpy as np
 from k3jax.config import TrainConfig
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
 from k3jax.data.sources import GuardedRecords, SkippedRecords, open_documents
-from k3jax.data.tokenizers import TextTokenizer, load_tokenizer
+from k3jax.tokenizer import TextTokenizer, load_tokenizer
 
 # Window shuffle of pieces: at most this many pieces and about this many tokens held in memory.
 _WINDOW_PIECES = 1024

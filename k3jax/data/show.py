@@ -18,7 +18,7 @@ from k3jax.config import ConfigError, load_config
 from k3jax.data.chat import ConversationToPieces, open_conversations
 from k3jax.data.pipeline import DocumentToPieces, report_chat_counts, split_indices
 from k3jax.data.sources import open_documents
-from k3jax.data.tokenizers import load_tokenizer
+from k3jax.tokenizer import load_tokenizer
 
 GREEN, RESET = "\x1b[32;1m", "\x1b[0m"
 BRACKETS = ("[[", "]]")

@@ -58,7 +58,7 @@ class K3JaxLM(TemplateLM):
                              "model= and tokenizer=")
         device_mesh = None
         if checkpoint is not None:
-            from k3jax.data.tokenizers import load_tokenizer
+            from k3jax.tokenizer import load_tokenizer
             from k3jax.serving.loading import load_checkpoint_tokenizer, load_model
             from k3jax.sharding import make_mesh, parse_mesh
 

@@ -23,7 +23,7 @@ from flax import nnx
 from k3jax import checkpoint, storage
 from k3jax.config import Config
 from k3jax.model import abstract_model
-from k3jax.data.tokenizers import load_tokenizer
+from k3jax.tokenizer import load_tokenizer
 
 
 DTYPES = ("auto", "float32", "bfloat16")

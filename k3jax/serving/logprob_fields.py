@@ -16,9 +16,8 @@ from __future__ import annotations
 import codecs
 from typing import Sequence
 
-from k3jax.data.tokenizers import ByteTokenizer
 from k3jax.serving.logprobs import TokenLogprobs
-from k3jax.tokenizer import Tokenizer
+from k3jax.tokenizer import ByteTokenizer, Tokenizer
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
