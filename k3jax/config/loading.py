@@ -5,8 +5,10 @@ Unknown keys, typos and inconsistent values fail at load time with a message tha
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import pathlib
 import types
 import typing
@@ -180,9 +182,29 @@ def _load_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
     return data
 
 
+# Keys that configs saved by earlier versions (a checkpoint's config) carry but that are gone, with the one
+# value each could take: :func:`from_dict` drops them when they hold it. ``model.moe.router_dtype`` was
+# never read: the router always computes in float32 (k3jax/layers/latent_moe.py), as the references do.
+RETIRED_KEYS = {("model", "moe", "router_dtype"): "float32"}
+
+
+def _without_retired(data: dict) -> dict:
+    """``data`` without the :data:`RETIRED_KEYS` that hold their one value (a copy where any is dropped)."""
+    for (*parents, key), value in RETIRED_KEYS.items():
+        node = data
+        for name in parents:
+            node = node.get(name) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(key, ()) == value:
+            data = copy.deepcopy(data)
+            node = functools.reduce(dict.__getitem__, parents, data)
+            del node[key]
+    return data
+
+
 def from_dict(data: dict) -> Config:
-    """Build and validate a Config from nested dicts (e.g. the ``to_dict`` of a saved run)."""
-    cfg = _from_dict(Config, _resolve_aliases(data), "")
+    """Build and validate a Config from nested dicts (e.g. the ``to_dict`` of a saved run; the retired
+    keys of earlier versions' configs are dropped, :data:`RETIRED_KEYS`)."""
+    cfg = _from_dict(Config, _resolve_aliases(_without_retired(data)), "")
     cfg.validate()
     return cfg
 

@@ -582,7 +582,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "kimi_k3", *, mxfp4: bool =
 # Model fields an HF config does not carry (besides the runtime fields of k3jax.config): how the weights
 # are laid out and stored, and the training-time rule of the router bias.
 _NOT_IN_HF = ("scan_layers", "dtype", "param_dtype")
-_MOE_NOT_IN_HF = ("balancing", "qb_method", "qb_bins", "router_dtype")
+_MOE_NOT_IN_HF = ("balancing", "qb_method", "qb_bins")
 
 
 def runtime_fields_equal(a: ModelConfig, b: ModelConfig) -> bool:
