@@ -5,7 +5,9 @@
 end-of-turn token.
 
 ``--serve`` serves it instead: an OpenAI-compatible HTTP API with continuous batching
-(``k3jax/serving``; ``--host``, ``--port``, ``--max-batch``, ``--max-len``, ...).
+(``k3jax/serving``; ``--host``, ``--port``, ``--max-batch``, ``--max-len``, ...). On a slice of
+several hosts, the same command runs on each (``--distributed``): process 0 serves the API and every
+process runs its schedule of prefill and decode steps (``k3jax/serving/server.py``).
 
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
 unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
@@ -105,6 +107,8 @@ def _check_arguments(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--top-k must be at least 1, got {args.top_k}")
     if args.step is not None and args.step < 0:
         ap.error(f"--step must be >= 0, got {args.step}")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
+        ap.error(f"--heartbeat-timeout must be at least 1 second, got {args.heartbeat_timeout}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                     "sequence, tensor (unlisted: 1; -1 fills); default: weights split over all devices")
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
                     help="multi-host start-up (jax.distributed.initialize; k3jax/distributed.py)")
+    ap.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS", help="several processes: seconds without "
+                    "a heartbeat before a process counts as dead and the others abort (default: JAX's, 100)")
     add_serve_arguments(ap)
     args = ap.parse_args(argv)
     _check_arguments(ap, args)  # before anything is loaded, compiled or printed
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:  # the message names the field: no traceback
         ap.exit(2, f"error: {e}\n")
 
-    distributed.initialize(args.distributed)
+    distributed.initialize(args.distributed, args.heartbeat_timeout)
     try:
         mesh = make_mesh(mesh_cfg)
     except ValueError as e:

@@ -15,6 +15,11 @@ the whole job; each process reads its own ``1 / process_count`` of every global 
 (``k3jax.data``) and contributes it with ``jax.make_array_from_process_local_data``; orbax writes
 each process's shards of the train state to the shared checkpoint directory, and process 0 the
 metadata. Single-host runs never call it.
+
+A process that stops answering the coordination service's heartbeat for ``heartbeat_timeout_s``
+(JAX's default: 100 s) is declared dead, and JAX then aborts every other process with a message naming
+it ("Terminating process because the JAX distributed service detected fatal errors"): the bound on how
+long a job can hang on a lost host whose collectives do not fail by themselves.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ def multi_process_env() -> str | None:
     return None
 
 
-def initialize(mode: Mode = "auto") -> bool:
-    """Start the multi-process runtime if ``mode`` asks for it (module docstring); True when started."""
+def initialize(mode: Mode = "auto", heartbeat_timeout_s: int | None = None) -> bool:
+    """Start the multi-process runtime if ``mode`` asks for it (module docstring); True when started.
+    ``heartbeat_timeout_s``: seconds without a heartbeat before a process counts as dead (None: JAX's)."""
     if mode not in MODES:
         raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" or (mode == "auto" and multi_process_env() is None):
@@ -59,6 +65,8 @@ def initialize(mode: Mode = "auto") -> bool:
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # explicit wiring (any platform, CPU included)
         kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                       num_processes=_env_tasks("JAX_NUM_PROCESSES"), process_id=int(os.environ.get("JAX_PROCESS_ID", 0)))
+    if heartbeat_timeout_s is not None:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_s
     jax.distributed.initialize(**kwargs)
     return True
 

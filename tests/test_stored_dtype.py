@@ -105,9 +105,9 @@ def test_infer_prints_the_weights_bytes_per_device(saved, capsys):
         (held,) = weight_bytes(model).values()  # one device
         want = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
         assert held == want
-        shown = float(re.match(r"weights: ([0-9.]+) GiB per device on 1 device\(s\) of process 0; parameters "
+        shown = float(re.match(r"weights: ([0-9.]+) MiB per device on 1 device\(s\) of process 0; parameters "
                                r"(\w+)", line[0]).group(1))
-        assert abs(shown - want / 2**30) <= 0.0005 and f"parameters {model.cfg.param_dtype}" in line[0], line[0]
+        assert abs(shown - want / 2**20) <= 0.0005 and f"parameters {model.cfg.param_dtype}" in line[0], line[0]
     # bfloat16 halves the bytes of everything but the float32-only leaves
     bf16 = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(load_model(saved["bfloat16"])[0])))
     assert bf16 < 0.55 * want

@@ -52,6 +52,12 @@ transfer); the token budget bounds them, least recently used leaves evicted firs
 
 All device programs have fixed shapes (pool, chunk, row index and shifts are traced), so each
 compiles once (in ``warmup``), whatever requests come and go.
+
+Several hosts: the loop takes its input, each iteration, from a scheduler
+(``k3jax.serving.schedule``): the requests submitted and cancelled since the last one. In one process
+they come from the API's threads; in a multi-process job process 0 broadcasts them every iteration
+and every process runs the same iteration (every decision above is a function of them and of the
+replicated sampled tokens), so all run the same programs in the same order.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, token_logprobs
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache
+from k3jax.serving.schedule import LocalScheduler, Schedule, make_scheduler, state_digest
 from k3jax.serving.sampling import sample_rows
 from k3jax.sharding import cache_shardings, use_mesh
 from pallas_kernels.platform import target_platform
@@ -117,6 +124,8 @@ class Sequence:
 
     def __init__(self, prompt, params: SamplingParams, on_token: Callable[[int, TokenLogprobs | None], None],
                  on_finish: Callable[[str], None]):
+        self.id = -1  # set by Engine.submit: the request's number in the schedule
+        self.seed = params.seed  # Engine.submit draws one when None
         self.prompt = [int(t) for t in prompt]
         self.params = params
         self.on_token, self.on_finish = on_token, on_finish
@@ -157,12 +166,14 @@ class Engine:
     layers unrolled (``k3jax.model.unroll_layers``: a copy of the scanned weights, a longer compile,
     faster steps on CPU); None = on CPU when unsharded. ``prefix_cache_tokens``: the prefix cache's
     budget (0: no prefix cache); ``prefix_cache_block``: its block, a multiple of ``prefill_chunk``
-    (default: one chunk). ``prefill_chunk`` is at most ``max_len``."""
+    (default: one chunk). ``prefill_chunk`` is at most ``max_len``. ``scheduler``: where each iteration's
+    input comes from (default ``schedule.make_scheduler()``: local in one process, process 0's broadcast
+    in several)."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
                  prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None,
                  unroll_layers: bool | None = None, prefix_cache_tokens: int = 0,
-                 prefix_cache_block: int | None = None):
+                 prefix_cache_block: int | None = None, scheduler: LocalScheduler | None = None):
         cfg = model.cfg
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
@@ -196,9 +207,10 @@ class Engine:
             log.info("prefix cache: blocks of %d tokens, %.1f MiB each (KDA snapshot included), %d blocks at most",
                      block, self.prefix_cache_block_bytes / 2**20, prefix_cache_tokens // block)
         self._reset()
-        self._queue: collections.deque[Sequence] = collections.deque()
-        self._cond = threading.Condition()
-        self._stopping = False
+        self._queue: collections.deque[Sequence] = collections.deque()  # admitted, waiting for a row (engine thread)
+        self._live: dict[int, Sequence] = {}  # id -> every admitted request not finished (engine thread)
+        self._scheduler = scheduler if scheduler is not None else make_scheduler()
+        self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         # Whether start() made glibc keep freed memory (k3jax/host_memory.py; stop() undoes it), else every
         # step page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`).
@@ -345,30 +357,31 @@ class Engine:
         bad = [t for t in seq.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the engine is stopped")
-            if len(self._queue) >= self.max_queue and not self._has_free_row():
-                raise QueueFull(f"{len(self._queue)} requests are waiting for one of {self.max_batch} slots")
-            self._queue.append(seq)
-            self.metrics.gauges(self.active_count(), len(self._queue))
-            self._cond.notify()
+        if self._scheduler.stopping:
+            raise RuntimeError("the engine is stopped")
+        if self.queue_length() >= self.max_queue and not self._has_free_row():
+            raise QueueFull(f"{self.queue_length()} requests are waiting for one of {self.max_batch} slots")
+        seq.id = next(self._ids) % 2**31
+        if seq.seed is None:
+            seq.seed = next(self._seeds)
+        self._scheduler.submit(seq)
+        self.metrics.gauges(self.active_count(), self.queue_length())
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Stop a request (queued, prefilling or decoding); its row is freed before the next step.
         ``reason``: what it counts as in the metrics (``stop`` when the API found a stop string)."""
-        seq.cancelled = seq.cancelled or reason
-        with self._cond:
-            self._cond.notify()
+        if seq.id >= 0:  # (never submitted: nothing to stop)
+            self._scheduler.cancel(seq, reason)
 
     def active_count(self) -> int:
         return sum(r is not None for r in self._rows) + (len(self._prefill.seqs) if self._prefill else 0)
 
     def queue_length(self) -> int:
-        return len(self._queue)
+        """Requests waiting for a row (the scheduler's not yet taken included)."""
+        return len(self._queue) + self._scheduler.pending()
 
     def _has_free_row(self) -> bool:
-        return self.active_count() + len(self._queue) < self.max_batch
+        return self.active_count() + self.queue_length() < self.max_batch
 
     def start(self) -> "Engine":
         """Start the decode loop (once; later calls do nothing)."""
@@ -382,9 +395,12 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        """Stop the loop (process 0 of several: every process's) and wait for it."""
+        self._scheduler.stop()
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait until the loop has stopped (a follower process: when process 0 stops it)."""
         if self._thread is not None:
             self._thread.join()
             if self._sets_host_memory:  # the process may go on to other work (a test suite)
@@ -395,31 +411,50 @@ class Engine:
     def _run(self):
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             while True:
-                with self._cond:
-                    while not (self._stopping or self._queue or self._prefill or any(self._rows) or self._inflight):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
+                busy = bool(self._queue or self._prefill or any(self._rows) or self._inflight)
                 try:
-                    self._iteration()
-                except Exception:  # a failed device call: fail what is in flight, keep serving
+                    schedule = self._scheduler.next(busy, self._digest())
+                    self._admit(schedule)
+                    if schedule.stop:
+                        break
+                    if busy or self._queue:
+                        self._iteration()
+                except Exception as error:  # a failed device call (or a lost process): fail what is in flight
                     log.exception("engine step failed; failing the requests in flight")
                     if self.prefix_cache is not None:  # a failed computation may have left poisoned snapshots
                         self.prefix_cache.clear()
-                    for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ())]:
+                    for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ()),
+                                *(self._queue if self._scheduler.fatal else ())]:
                         if seq is not None:
                             self._finish(seq, "error")
+                    self._scheduler.failed(error)  # several processes: exits
                     self._reset()
             for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ()), *self._queue]:
                 if seq is not None:
                     self._finish(seq, "cancelled")
 
+    def _admit(self, schedule: Schedule):
+        """Queue the schedule's new requests and mark its cancelled ones (a request already finished, or
+        never taken, is not in ``_live``)."""
+        for seq in schedule.admitted:
+            self._queue.append(seq)
+            self._live[seq.id] = seq
+        for rid, reason in schedule.cancelled:
+            seq = self._live.get(rid)
+            if seq is not None:
+                seq.cancelled = seq.cancelled or reason
+
+    def _digest(self) -> int:
+        """The host state every process must agree on before an iteration (``schedule.state_digest``)."""
+        return state_digest(self._length, [-1 if s is None else s.id for s in self._rows],
+                            [-1 if s is None else s.id for s in (self._prefill.seqs if self._prefill else ())],
+                            [s.id for s in self._queue])
+
     def _iteration(self):
         self._reap_cancelled()
         free = self._rows.count(None)
         if self._prefill is None and free:
-            with self._cond:
-                seqs, hits = self._take_prompts(min(free, self.prefill_batch))
+            seqs, hits = self._take_prompts(min(free, self.prefill_batch))
             if seqs:
                 self._start_prefill(seqs, hits)
         if self._prefill is not None:
@@ -445,10 +480,9 @@ class Engine:
                     self._finish(seq, seq.cancelled)
             if not any(self._prefill.seqs):
                 self._prefill = None
-        with self._cond:
-            cancelled = [s for s in self._queue if s.cancelled]
-            for seq in cancelled:
-                self._queue.remove(seq)
+        cancelled = [s for s in self._queue if s.cancelled]
+        for seq in cancelled:
+            self._queue.remove(seq)
         for seq in cancelled:
             self._finish(seq, seq.cancelled)
 
@@ -460,7 +494,7 @@ class Engine:
         return self.prefix_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
     def _take_prompts(self, n: int) -> tuple[list[Sequence], list[list]]:
-        """Up to ``n`` waiting requests (under the lock) to prefill together, and each one's cached prefix
+        """Up to ``n`` waiting requests to prefill together, and each one's cached prefix
         nodes. Their slots must fit the prefill cache (``max_len + prefill_chunk``): the longest cached
         prefix, then whole chunks for the longest uncached rest, then < one chunk of remainder pieces."""
         seqs, hits, prefix, chunks, p = [], [], 0, 0, self.prefill_chunk
@@ -576,7 +610,7 @@ class Engine:
             self._realign(n - self._length)
         row = self._rows.index(None)
         params = seq.params
-        seed = params.seed if params.seed is not None else next(self._seeds)
+        seed = seq.seed
         self._pool, self._logits, self._keys = self._insert_fn(self._pool, self._logits, self._keys, np.int32(row),
                                                                job.cache, np.int32(src_row), job.last,
                                                                np.uint32(seed % 2**32))
@@ -651,6 +685,7 @@ class Engine:
         if seq.finish_reason is not None:
             return
         seq.finish_reason = reason
+        self._live.pop(seq.id, None)
         self.metrics.request_done(reason)
         try:
             seq.on_finish(reason)

@@ -89,14 +89,19 @@ def weight_bytes(model) -> dict:
     return dict(held)
 
 
+def _size(n: int) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB (three decimals)."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"
+
+
 def weight_bytes_line(model) -> str:
     """One line for the start of ``infer.py``: the weights' bytes per device (the most loaded device of
     this process, and the least when they differ) and the parameter dtype."""
     held = weight_bytes(model)
     most, least = max(held.values()), min(held.values())
-    spread = "" if most == least else f" (least loaded: {least / 2**30:.3f} GiB)"
+    spread = "" if most == least else f" (least loaded: {_size(least)})"
     experts = model.cfg.quant.experts
-    return (f"weights: {most / 2**30:.3f} GiB per device{spread} on {len(held)} device(s) of process "
+    return (f"weights: {_size(most)} per device{spread} on {len(held)} device(s) of process "
             f"{jax.process_index()}; parameters {model.cfg.param_dtype}"
             + ("" if experts == "none" else f", routed experts {experts}"))
 

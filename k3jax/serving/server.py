@@ -3,14 +3,30 @@
 SIGTERM / SIGINT drain the server (``api.Drain``): new requests get 503 while the running ones finish,
 for up to ``--drain-timeout`` seconds; those left then end with ``finish_reason: "abort"``, and the
 server exits. A second SIGINT exits at once.
+
+Several hosts (``jax.process_count() > 1``; ``infer.py --serve`` started with the same command on
+each, as ``train.py``): the model and the engine's device programs span every process's devices.
+Process 0 runs the HTTP server and the engine's scheduling; every other process runs no server, only
+the engine's loop on process 0's schedule (``k3jax.serving.schedule``), until process 0 stops it, then
+exits. A follower ignores SIGTERM / SIGINT (logged): process 0's drain decides when the slice stops,
+and a process that left early would fail its last requests. A process that dies or a step that fails
+stops every process with an error and exit code ``schedule.FAILED_EXIT_CODE`` (a lost process seen in a
+collective), or JAX's own abort when a process stops answering its heartbeat (``--heartbeat-timeout``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import signal
+import sys
+
+import jax
 
 from k3jax.serving.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -58,9 +74,26 @@ def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -
         engine = Engine(model, mesh=mesh, **engine_options(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if jax.process_index() != 0:
+        return follow(engine)
     run_server(engine, tokenizer, args.model_name or name, host=args.host, port=args.port,
                drain_timeout_s=args.drain_timeout, idle_timeout_s=args.stream_idle_timeout,
                max_body_bytes=args.max_body_bytes)
+
+
+def follow(engine: Engine) -> None:
+    """A process other than 0: run the engine's loop on process 0's schedule until it stops (module
+    docstring)."""
+    def ignore(sig, _frame):
+        print(f"process {jax.process_index()}: {signal.Signals(sig).name} ignored: process 0's drain stops the "
+              f"server, and this process with it", file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ignore)
+    print(f"process {jax.process_index()} of {jax.process_count()}: running process 0's schedule (process 0 serves "
+          f"the API)", file=sys.stderr, flush=True)
+    engine.start()
+    engine.wait()
 
 
 def run_server(engine, tokenizer, name: str, *, host: str, port: int, drain_timeout_s: float,

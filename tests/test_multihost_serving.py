@@ -1,0 +1,175 @@
+"""``infer.py --serve`` on a slice of several hosts: the same command as a two-process job on one machine
+(2 x 2 fake CPU devices, JAX's CPU collectives over gloo, the model's weights split over all four).
+Process 0 serves the API and broadcasts each iteration's schedule (``k3jax.serving.schedule``); process
+1 runs no server and follows it. Concurrent greedy requests through the ``openai`` client give the
+single-process outputs (``k3jax.generate`` on one device) token for token; process 1 ignores SIGTERM
+(process 0's drain decides); killing process 1 mid-stream stops process 0 with a clear error and
+``FAILED_EXIT_CODE`` within seconds instead of a hang. Also the schedule's wire format on its own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from cpu_devices import subprocess_env, xla_flags
+from k3jax.serving.engine import SamplingParams, Sequence
+from k3jax.serving.schedule import CANCEL_REASONS, FAILED_EXIT_CODE, Schedule, decode, encode, payload_size
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL = ["model.num_layers=2", "model.attn_res.block_size=1"]  # KDA + MLA, their caches
+MAX_LEN, NEW = 40, 8
+SERVER = ["--tokenizer", "byte", "--max-batch", "4", "--max-len", str(MAX_LEN), "--prefill-chunk", "4",
+          "--prefill-batch", "2", "--model-name", "demo", "--heartbeat-timeout", "10"]
+PROMPTS = ["And God said, let there be light", "And God said, let there be dark", "In the beginning", "x"]
+STARTUP_S, EXIT_BOUND_S = 300, 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# --- the wire format ----------------------------------------------------------------------------------
+
+def _seq(rid, prompt, params, seed):
+    seq = Sequence(prompt, params, lambda *_: None, lambda *_: None)
+    seq.id, seq.seed = rid, seed
+    return seq
+
+
+def test_schedule_round_trips_through_its_int32_arrays():
+    rng = np.random.default_rng(0)
+    admitted = (
+        _seq(7, rng.integers(0, 2**20, 700).tolist(), SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9,
+                                                                     stop_ids=(3, 9), logprobs=4), 2**32 - 1),
+        _seq(2**31 - 1, [1], SamplingParams(max_tokens=0, prompt_logprobs=True), 0),
+        _seq(8, [5, 6], SamplingParams(max_tokens=3, temperature=1e-3), 12345))
+    sent = Schedule(admitted, ((7, "stop"), (3, "abort"), (8, "cancelled")), stop=False)
+    header, payload = encode(sent, digest=424242)
+    assert header.dtype == payload.dtype == np.int32 and header.shape == (8,)
+    assert payload.size == payload_size(header) == 1024  # 2 x 9 + 2 stop ids + 703 tokens + 6 -> a power of two
+    got, digest = decode(header, payload, _seq)
+    assert digest == 424242 and got.cancelled == sent.cancelled and not got.stop
+    for a, b in zip(sent.admitted, got.admitted, strict=True):
+        assert (b.id, b.prompt, b.seed) == (a.id, a.prompt, a.seed)
+        # temperature / top_p travel as float32, the precision the engine's per-row arrays hold
+        assert b.params == dataclasses.replace(a.params, temperature=float(np.float32(a.params.temperature)),
+                                               top_p=float(np.float32(a.params.top_p)), seed=a.seed)
+    header, payload = encode(Schedule(stop=True), digest=1)
+    assert payload.size == payload_size(header) == 0 and decode(header, payload, _seq)[0] == Schedule(stop=True)
+    assert set(CANCEL_REASONS) >= {"cancelled", "stop", "abort"}  # the reasons the API cancels with
+    with pytest.raises(RuntimeError, match="protocol's tag"):
+        decode(np.zeros(8, np.int32), payload, _seq)
+
+
+# --- two processes ------------------------------------------------------------------------------------
+
+def _start(ckpt: pathlib.Path, logs: pathlib.Path, port: int) -> list[subprocess.Popen]:
+    coordinator = _free_port()
+    procs = []
+    for rank in range(2):
+        env = subprocess_env(XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
+                             JAX_COORDINATOR_ADDRESS=f"localhost:{coordinator}", JAX_NUM_PROCESSES="2",
+                             JAX_PROCESS_ID=str(rank))
+        out = open(logs / f"process{rank}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "infer.py"), "--serve", "--checkpoint", str(ckpt),
+                                       "--port", str(port), *SERVER], env=env, cwd=logs, stdout=out,
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def _log(logs: pathlib.Path, rank: int) -> str:
+    return (logs / f"process{rank}.log").read_text()
+
+
+def _wait_up(url: str, procs, logs) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        for rank, p in enumerate(procs):
+            assert p.poll() is None, f"process {rank} exited:\n{_log(logs, rank)[-4000:]}"
+        assert time.monotonic() < deadline, "the server did not come up:\n" + _log(logs, 0)[-3000:]
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return
+        except OSError:
+            time.sleep(0.5)
+
+
+def _reference(ckpt, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt greedy through ``k3jax.generate``, one process on one device (one batched call)."""
+    from k3jax import generate
+    from k3jax.serving.loading import load_model
+
+    model, _ = load_model(ckpt)
+    width = max(map(len, prompts))
+    padded = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    out = np.asarray(generate(model, padded, NEW, prompt_lengths=[len(p) for p in prompts]))
+    return [out[i, len(p):len(p) + NEW].tolist() for i, p in enumerate(prompts)]
+
+
+def _completion(c, prompt: str, stream: bool) -> list[int]:
+    kw = dict(model="demo", prompt=prompt, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True})
+    if not stream:
+        return c.completions.create(**kw).choices[0].token_ids
+    return [t for chunk in c.completions.create(stream=True, **kw)
+            for t in getattr(chunk.choices[0], "token_ids", None) or []]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_xla")
+def test_two_process_server_matches_one_process_and_stops_when_a_process_dies(tmp_path):
+    import openai
+
+    from k3jax import create_model, load_config
+    from k3jax.tokenizer import ByteTokenizer
+    from k3jax.interop import to_hf
+
+    ckpt = tmp_path / "ckpt"
+    to_hf(create_model(load_config("tiny", MODEL).model), ckpt)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = _start(ckpt, tmp_path, port)
+    try:
+        want = _reference(ckpt, [ByteTokenizer().encode(p) for p in PROMPTS])  # while the servers compile
+        _wait_up(url, procs, tmp_path)
+        assert "running process 0's schedule" in _log(tmp_path, 1) and "Uvicorn running" not in _log(tmp_path, 1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # joined together, batched
+            got = list(pool.map(lambda ip: _completion(c, ip[1], stream=ip[0] % 2 == 1), enumerate(PROMPTS)))
+        assert got == want
+
+        procs[1].send_signal(signal.SIGTERM)  # a follower leaves when process 0 says so
+        assert _completion(c, PROMPTS[2], stream=False) == want[2]
+        assert "SIGTERM ignored" in _log(tmp_path, 1) and procs[1].poll() is None
+
+        stream = c.completions.create(model="demo", prompt="x", max_tokens=MAX_LEN - 1, temperature=0, stream=True)
+        next(iter(stream))  # decoding
+        procs[1].kill()
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):  # the request in flight ends with an error, not a hang
+            for _ in stream:
+                pass
+        procs[0].wait(EXIT_BOUND_S)
+        stopped_after = time.monotonic() - killed
+        out = _log(tmp_path, 0)
+        assert procs[0].returncode == FAILED_EXIT_CODE, out[-3000:]
+        assert "process 0 of 2 stops: a step of the multi-process server failed" in out, out[-3000:]
+        print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
