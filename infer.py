@@ -44,7 +44,7 @@ import numpy as np
 from k3jax import checkpoint, compile_cache, distributed
 from k3jax.config import ConfigError, load_config
 from k3jax.data.chat import chat_prompt, reply_stop_ids
-from k3jax.data.tokenizers import load_tokenizer
+from k3jax.tokenizer import load_tokenizer
 from k3jax.generate import generate
 from k3jax.serving.loading import DTYPES, checkpoint_dir, load_checkpoint_tokenizer, load_model, weight_bytes_line
 from k3jax.serving.server import add_arguments as add_serve_arguments
