@@ -47,7 +47,7 @@ def new_train_state(cfg: Config, model: K3Model) -> TrainState:
     """The ``TrainState`` of ``model`` (with its adapters in a LoRA run) and a fresh optimizer state."""
     tc = cfg.train
     tx = (make_lora_optimizer(tc.optim, tc.steps) if tc.lora.enabled
-          else make_optimizer(tc.optim, model, tc.steps))
+          else make_optimizer(tc.optim, model, tc.steps, seed=tc.seed))
     return TrainState(model, tx, wrt=trainable(cfg))
 
 

@@ -30,6 +30,11 @@ class OptimConfig:
     # Muon momentum and Newton-Schulz dtype: bfloat16 halves the optimizer's largest state and
     # temporaries (the usual Muon setting at scale); float32 is exact to the optax reference.
     muon_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Weights held below float32 (model.param_dtype=bfloat16, MaxText's weight_dtype): the optimizer's
+    # statistics and updates stay float32 and each step's float32 sum w + u is rounded to the weights' dtype,
+    # to the nearest value or stochastically (unbiased: updates below half a bf16 spacing still move the
+    # weight on average; k3jax/optim.py stochastic_weight_rounding)
+    weight_rounding: Literal["nearest", "stochastic"] = "nearest"
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
@@ -219,6 +224,9 @@ class Config:
             check(self.train.seq_len // self.mesh.sequence >= max(halo, 1), "train.seq_len",
                   f"{self.train.seq_len // self.mesh.sequence} tokens per sequence shard (mesh.sequence="
                   f"{self.mesh.sequence}) are fewer than the short conv's {halo}-token halo")
+        check(self.train.optim.weight_rounding == "nearest" or self.model.param_dtype != "float32",
+              "train.optim.weight_rounding", "stochastic rounds weights held below float32: set "
+              "model.param_dtype=bfloat16 (float32 weights take the float32 sum as it is)")
         # the weights are differentiated in the gradient dtype: the forward is unchanged only when the layers
         # compute in it too
         check(self.train.grad_dtype == "float32" or self.train.grad_dtype == self.model.dtype, "train.grad_dtype",
