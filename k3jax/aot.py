@@ -220,6 +220,8 @@ class Result:
     compile_seconds: float = 0.0
     error: str = ""
     breakdown: hlo_breakdown.Breakdown | None = None  # per device, from the optimized HLO (--breakdown)
+    # the same with the data-dependent loops not run (the dropless exchange's overflow rounds); None: none
+    breakdown_no_overflow: hlo_breakdown.Breakdown | None = None
     analytic: dict | None = None  # all devices' analytic FLOPs per part (k3jax.analytic.step_flops)
 
     @property
@@ -440,15 +442,17 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     if flops and not breakdown:
         _FLOPS_BY_PROGRAM[_program_key(lowered, mesh)] = per_device
     result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
-    parts = hlo_breakdown.breakdown(compiled.as_text()) if breakdown else None
-    del compiled, lowered
+    text = compiled.as_text() if breakdown else ""
+    parts = hlo_breakdown.breakdown(text) if breakdown else None
+    no_overflow = hlo_breakdown.breakdown(text, 0) if parts is not None and parts.data_dependent_loops else None
+    del compiled, lowered, text
     model_flops = analytic.model_flops(cfg, result.tokens, job.mode)
     ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
     step_flops = 0.0
     if parts is not None:
         step_flops = parts.total_flops * mesh.size
         expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.mode)  # Newton-Schulz included
-        result = dataclasses.replace(result, breakdown=parts, analytic=expected)
+        result = dataclasses.replace(result, breakdown=parts, analytic=expected, breakdown_no_overflow=no_overflow)
     elif flops:
         step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
@@ -473,7 +477,14 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
         "attributed_share": b.attributed_share,
         "compute_s_at_peak": compute_s, "collective_s_at_ici": comm_s,
         "collective_bytes": dict(b.collective_bytes), "memory_gib": r.total_bytes / GIB,
+        "data_dependent_loops": b.data_dependent_loops,
     }
+    z = r.breakdown_no_overflow
+    if z is not None:  # the loops whose trip count depends on the data, counted once above, not run here
+        summary["without_data_dependent_loops"] = {
+            "flops_per_device": z.total_flops, "collective_bytes": dict(z.collective_bytes),
+            "compute_s_at_peak": z.total_flops / V5P_PEAK_FLOPS,
+            "collective_s_at_ici": sum(z.collective_bytes.values()) / V5P_ICI_BYTES_PER_S}
     lines = [hlo_breakdown.table(b, r.analytic, devices=n), "",
              "| collective | GB per device | s at ICI |", "|---|---|---|"]
     lines += [f"| {k} | {v / 1e9:.2f} | {v / V5P_ICI_BYTES_PER_S:.3f} |" for k, v in sorted(b.collective_bytes.items())]
@@ -482,6 +493,13 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
               + (f"Newton-Schulz {summary['ns_ratio']:.2f}x its analytic count per device; " if r.ns_flops else "")
               + f"{b.attributed_share:.1%} attributed; "
               f"compute at peak {compute_s:.2f} s, collectives at ICI {comm_s:.2f} s"]
+    if z is not None:
+        w = summary["without_data_dependent_loops"]
+        lines += [f"{b.data_dependent_loops:.0f} data-dependent loop runs (the dropless exchange's overflow rounds) "
+                  f"counted once each above; not run (every device's pairs within a round): {w['flops_per_device']:.3e} "
+                  f"FLOPs, collectives " + " / ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(w["collective_bytes"].items()))
+                  + f" GB, compute at peak {w['compute_s_at_peak']:.2f} s, collectives at ICI "
+                  f"{w['collective_s_at_ici']:.2f} s"]
     return "\n".join(lines), {**b.to_json(), "summary": summary, "analytic_per_device":
                               {k: v / n for k, v in (r.analytic or {}).items()}}
 

@@ -22,7 +22,10 @@ instruction is read whole even where a string in it, e.g. a Pallas kernel's meta
 - **Trip counts**: every computation gets a multiplier, the number of times it runs per step:
   while bodies multiply by their ``known_trip_count`` (the scanned layer groups, the micro-batch
   loop, chunk loops), fusions / calls inherit their caller's; a conditional counts its costliest
-  branch only (which branch runs is known at run time only: an upper bound).
+  branch only (which branch runs is known at run time only: an upper bound). A while loop whose trip
+  count depends on the data (the dropless exchange's overflow rounds, which run only when a device's
+  pairs exceed a round) counts ``data_dependent_trips`` times: once by default, and ``--breakdown``
+  also reports the step with them not run.
 
 **Attribution** uses the ``jax.named_scope`` names the model puts on its parts (``PARTS``): an
 instruction belongs to the innermost part named in its ``op_name`` metadata (relative names inside
@@ -164,9 +167,10 @@ def _dims(shape: str) -> tuple[int, ...]:
     return arrays[0][1] if arrays else ()
 
 
-def _trip_count(ins: Instr, comps: dict[str, list[Instr]]) -> int:
+def _trip_count(ins: Instr, comps: dict[str, list[Instr]], unknown: int = 1) -> int:
     """Iterations of a while loop: XLA's ``known_trip_count`` (CPU / GPU), else read off its condition
-    (TPU drops the annotation): ``i < N`` with ``i`` counting up from 0, the scan / fori_loop form."""
+    (TPU drops the annotation): ``i < N`` with ``i`` counting up from 0, the scan / fori_loop form; else
+    (a data-dependent loop, e.g. the dropless exchange's overflow rounds) ``unknown``."""
     trip = _TRIP.search(ins.attrs)
     if trip:
         return int(trip.group(1))
@@ -178,17 +182,22 @@ def _trip_count(ins: Instr, comps: dict[str, list[Instr]]) -> int:
             literal = re.fullmatch(r"\s*(-?\d+)\s*", consts[i.operands[1]].args)
             if literal:
                 return max(int(literal.group(1)), 0)
-    return 1
+    return unknown
 
 
-def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None) -> list[tuple[str, int]]:
+def data_dependent(ins: Instr, comps: dict[str, list[Instr]]) -> bool:
+    """A while loop whose trip count is not in the HLO (it depends on the data)."""
+    return ins.opcode == "while" and _trip_count(ins, comps, unknown=-1) == -1
+
+
+def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None, unknown: int = 1) -> list[tuple[str, int]]:
     """(computation, times it runs per run of ``ins``) for the computations ``ins`` calls."""
     out = []
     for key, val in _CALLS.findall(ins.attrs):
         names = re.findall(r"%?([^\s,{}]+)", val)
         if key == "to_apply" and ins.opcode != "call":
             continue  # reductions' scalar combiners
-        times = _trip_count(ins, comps or {}) if key == "body" else 1
+        times = _trip_count(ins, comps or {}, unknown) if key == "body" else 1
         out += [(n, times) for n in names]
     return out
 
@@ -203,7 +212,7 @@ def _instr_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 0.0
 
 
-def _untaken_branches(comps: dict[str, list[Instr]]) -> set[tuple[str, str]]:
+def _untaken_branches(comps: dict[str, list[Instr]], unknown: int = 1) -> set[tuple[str, str]]:
     """(conditional instruction, branch) pairs not counted: a conditional runs one branch per call, which
     one is only known at run time, so it counts its costliest branch (an upper bound; e.g. the exact
     rather than the dense path of a KDA chunk, a causal block's attention rather than its skip)."""
@@ -217,7 +226,7 @@ def _untaken_branches(comps: dict[str, list[Instr]]) -> set[tuple[str, str]]:
             flops = 0.0
             for ins in instrs:
                 flops += _instr_flops(ins, shapes)
-                callees = _callees(ins, comps)
+                callees = _callees(ins, comps, unknown)
                 if ins.opcode == "conditional":
                     flops += max((total(c) for c, _ in callees), default=0.0)
                 else:
@@ -235,17 +244,18 @@ def _untaken_branches(comps: dict[str, list[Instr]]) -> set[tuple[str, str]]:
     return skipped
 
 
-def multipliers(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, float], dict[tuple[str, str], str]]:
+def multipliers(comps: dict[str, list[Instr]], entry: str,
+                unknown: int = 1) -> tuple[dict[str, float], dict[tuple[str, str], str]]:
     """Runs per step of every computation reachable from ``entry``, and every instruction's full name:
     its op_name, prefixed with its first caller's when relative; an instruction whose name holds no part
     (no metadata: XLA's own rewrites, e.g. the dense transpose of a ragged dot) takes the name of an
     operand that has one, the latest in the step (a backward operand makes it backward work)."""
     edges = collections.defaultdict(list)
     indegree = collections.Counter()
-    untaken = _untaken_branches(comps)
+    untaken = _untaken_branches(comps, unknown)
     for comp, instrs in comps.items():
         for ins in instrs:
-            for callee, times in _callees(ins, comps):
+            for callee, times in _callees(ins, comps, unknown):
                 if callee in comps:
                     edges[comp].append((callee, 0 if (ins.name, callee) in untaken else times, ins))
                     indegree[callee] += 1
@@ -431,6 +441,7 @@ class Breakdown:
     collective_bytes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))  # by kind
     collective_by_part: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     unattributed_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    data_dependent_loops: float = 0.0  # runs of while loops whose trip count depends on the data
 
     @property
     def total_flops(self) -> float:
@@ -457,13 +468,15 @@ class Breakdown:
                           "collective_bytes": self.collective_by_part.get(p, 0.0)} for p in parts},
             "collective_bytes": dict(self.collective_bytes),
             "unattributed_top": self.unattributed_ops.most_common(10),
+            "data_dependent_loops": self.data_dependent_loops,
         }
 
 
-def breakdown(hlo_text: str) -> Breakdown:
-    """Count the per-device FLOPs, HBM bytes and collective bytes of one step (module docstring)."""
+def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
+    """Count the per-device FLOPs, HBM bytes and collective bytes of one step (module docstring), with
+    every data-dependent loop run ``data_dependent_trips`` times."""
     comps, entry = parse_hlo(hlo_text)
-    mult, names = multipliers(comps, entry)
+    mult, names = multipliers(comps, entry, data_dependent_trips)
     fused = {callee for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
              for callee, _ in _callees(ins)}
     out = Breakdown()
@@ -483,6 +496,8 @@ def breakdown(hlo_text: str) -> Breakdown:
                     out.unattributed_ops[name] += times * flops
             if comp in fused:
                 continue
+            if data_dependent(ins, comps):
+                out.data_dependent_loops += times
             coll = _collective(ins, shapes, comps)
             if coll:
                 out.collective_bytes[coll[0]] += times * coll[1]

@@ -49,6 +49,26 @@ def test_loop_trip_counts_multiply():
     assert b.flops[("kda", "forward")] == 5 * 3 * 2 * (2 * M * K * N)
 
 
+def test_data_dependent_loops_count_as_told():
+    """A while loop whose trip count is in the data (the dropless exchange's overflow rounds) is found
+    and counted ``data_dependent_trips`` times (once by default); a loop of static count is unaffected."""
+    def looped(x, w, n):
+        with jax.named_scope("kda"):
+            y = jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w @ w.T), x)  # static: 3 trips
+        with jax.named_scope("routed_experts"):
+            return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w @ w.T)), (0, y))[1]
+
+    text = jax.jit(looped).lower(*_args(), jnp.int32(2)).compile().as_text()
+    once, never, twice = (bd.breakdown(text, trips) for trips in (1, 0, 2))
+    body = 2 * (2 * M * K * N)
+    assert once.data_dependent_loops == 1
+    assert once.flops[("routed_experts", "forward")] == body
+    assert never.flops.get(("routed_experts", "forward"), 0.0) == 0.0
+    assert twice.flops[("routed_experts", "forward")] == 2 * body
+    assert once.flops[("kda", "forward")] == never.flops[("kda", "forward")] == 3 * body
+    assert _compile(lambda x, w: x @ w, *_args()).data_dependent_loops == 0
+
+
 def test_phases_forward_backward_recompute():
     def loss(x, w, remat):
         def f(x, w):

@@ -88,6 +88,36 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
             assert err < 1e-5, (n, names, mode, err)
             worst = max(worst, err)
 
+    # Dropless in rounds: every pair routed to one device's experts (4 times the whole group's fair
+    # share of rows: 4 rounds of DROPLESS_ROUND_FACTOR x its own) still gives the single-device result,
+    # forward and backward; each round's buffer is the round's size, not the worst case
+    from k3jax.parallel import expert as ep_mod
+    ep = 4
+    skew = jnp.asarray(np.stack([rng.permutation(2)[:2] for _ in range(N)]), jnp.int32)  # experts 0 and 1
+    n_dev = N // ep
+    rows = int(np.ceil(ep_mod.DROPLESS_ROUND_FACTOR * n_dev * 2))
+    loads = jnp.zeros((ep, E // ep), jnp.int32).at[0].set(jnp.asarray([N, N]))
+    assert int(ep_mod.dropless_rounds_needed(loads, rows)) == int(np.ceil(2 * N / rows)) > 1
+    skew_weights = route.weights[:, :2]
+
+    def skewed(fn):
+        def f(z, weights, w_gate, w_up, w_down):
+            u = fn(z, skew, weights, w_gate, w_up, w_down)
+            return jnp.sum(jnp.sin(u)), u
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    skew_params = (z, skew_weights, w_gate, w_up, w_down)
+    (_, want), want_grads = skewed(single)(*skew_params)
+    mesh = jax.make_mesh((ep,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ep])
+    fn = lambda *a: expert_parallel_experts(*a, activation="situ_glu", dispatch="all_to_all")
+    with jax.set_mesh(mesh):
+        (_, got), grads = skewed(fn)(*skew_params)
+        text = jax.jit(fn).lower(z, skew, skew_weights, w_gate, w_up, w_down).as_text()
+    err = max(rel(got, want), rel(grads, want_grads))
+    assert err < 1e-5, ("rounds", err)
+    worst = max(worst, err)
+    assert "while" in text
+
     # With a capacity factor a device computes at most c * n * k pairs. A device over it cuts its
     # busiest experts (rows handed out one round at a time, one to each expert with pairs left), each
     # keeping its first pairs in token order; both exchanges drop exactly those pairs, forward and
@@ -159,8 +189,11 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu(v5p_expert_mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import math
+    import re
+
     from k3jax.ops.moe import sigmoid_topk_route
-    from k3jax.parallel.expert import expert_parallel_experts
+    from k3jax.parallel.expert import DROPLESS_ROUND_FACTOR, expert_parallel_experts
 
     mesh = v5p_expert_mesh
     n, latent, width, num_experts, top_k = 256, 128, 256, 16, 4
@@ -185,8 +218,18 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu(v5p_expert_mesh):
             compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile()
         text = compiled.as_text()
         assert "ragged-all-to-all" in text
-        b = breakdown.breakdown(text)
+        # the dropless exchange's overflow rounds (forward, and their backward) are while loops whose trip
+        # count depends on the loads; counted here as not run (every device's pairs within one round)
+        assert breakdown.breakdown(text).data_dependent_loops == 2
+        b = breakdown.breakdown(text, data_dependent_trips=0)
         flops[impl] = (b.flops[("routed_experts", "forward")], b.flops[("routed_experts", "backward")])
+        # every receive buffer is a round's, 1.25x a device's fair share of pairs, not the worst case
+        # (every pair of the group on one device)
+        devices = mesh.size
+        fair = n // devices * top_k
+        shapes = set(re.findall(r"= f32\[(\d+),(?:1,)?128\][^\n]* ragged-all-to-all\(", text))
+        round_rows = math.ceil(DROPLESS_ROUND_FACTOR * fair)
+        assert shapes == {str(round_rows), str(fair)}, shapes  # (the worst case: n * top_k = 1024 rows)
     # auto = the Pallas grouped matmul on TPU: the backward (input and weight gradients) is twice the
     # forward, counted from the kernels' cost estimates; XLA's ragged_dot transpose runs every local
     # expert over every received row for the weight gradient

@@ -55,6 +55,12 @@ from k3jax.sharding import expert_mesh_axes, token_mesh_axes
 from pallas_kernels.platform import ACCELERATORS, target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
+# A dropless exchange moves pairs in rounds of this many times a device's fair share of rows (its n
+# tokens' n * k pairs), as many rounds as the busiest device needs (_dropless_rounds). Quantile Balancing
+# keeps the busiest expert near 1.1-1.2x the mean (a device's 48 or more experts closer still), so one
+# round is the usual case, and the buffers are 1.25x the fair share instead of the worst case's
+# ep * min(k, E_l) times it (64x for K2 on expert=8).
+DROPLESS_ROUND_FACTOR = 1.25
 
 
 def resolve_dispatch(dispatch: str, mesh) -> str:
@@ -112,16 +118,23 @@ def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, 
     # The kernels' cost estimates count the pairs this device's experts get at a balanced load (each
     # device's n * k), not the buffer's capacity head-room: the grouped matmul visits real rows only.
     hint = {"expected_rows": n * k if tokens_split else -(-n * k // ep)} if impl == "pallas" else {}
-    glu = functools.partial(kernels.ragged_glu(impl), w_gate=w_gate, w_up=w_up, w_down=w_down,
-                            activation=activation, beta=beta, linear_beta=linear_beta, **quant, **hint)
+    # the expert GLU over rows grouped by expert, the weights given: (xs, group_sizes, w_gate, w_up, w_down)
+    glu_of = functools.partial(_glu_with_weights, functools.partial(
+        kernels.ragged_glu(impl), activation=activation, beta=beta, linear_beta=linear_beta, **quant, **hint))
+    glu = functools.partial(glu_of, w_gate=w_gate, w_up=w_up, w_down=w_down)
     if ep == 1:  # every expert is local: the single-device computation on this device's tokens
         pair_out = kernels.grouped_glu_experts(impl)(z, experts, w_gate, w_up, w_down, activation=activation,
                                                      beta=beta, linear_beta=linear_beta, **quant)
         return combine_experts(weights, pair_out)
     if tokens_split and dispatch in ("ragged_all_to_all", "all_to_all"):
         exchange = jax.lax.ragged_all_to_all if dispatch == "ragged_all_to_all" else dense_ragged_all_to_all
-        return _exchange_experts(z, experts, weights, glu, w_gate.shape[0], ep, exchange, capacity_factor, axis)
+        return _exchange_experts(z, experts, weights, glu_of, (w_gate, w_up, w_down), ep, exchange, capacity_factor,
+                                 axis)
     return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor, axis)
+
+
+def _glu_with_weights(glu, xs, group_sizes, w_gate, w_up, w_down):
+    return glu(xs, group_sizes, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -166,20 +179,26 @@ def _keep_prefix(counts, keep):
     return ends - jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
 
 
-def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacity_factor, axis):
+def _exchange_experts(z, experts, weights, glu, expert_weights, ep, exchange, capacity_factor, axis):
     """Send every (token, expert) pair to the device owning the expert and the result back.
 
-    z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32. ``exchange`` has the signature
-    and semantics of ``jax.lax.ragged_all_to_all`` over ``axis`` (the expert mesh axis or axes).
+    z ``[n, L]``, experts / weights ``[n, k]`` -> ``[n, L]`` float32. ``glu(xs, group_sizes, *expert_weights)``
+    runs the local experts (``expert_weights``: w_gate, w_up, w_down ``[E_l, ...]``) over rows grouped by
+    expert. ``exchange`` has the signature and semantics of ``jax.lax.ragged_all_to_all`` over ``axis``
+    (the expert mesh axis or axes).
 
     Each device sends one slice per (destination, local expert), and each slice lands where the
     destination's receive buffer is already grouped by expert: expert 0's pairs from src 0, 1, ...,
     then expert 1's, ... The experts run straight over the buffer and the results go back the same
     way, so no ``[capacity, L]`` buffer is ever permuted (a sort and its inverse, forward and
     backward, were most of a dropless step's memory).
+
+    Dropless (``capacity_factor`` 0), the pairs go in rounds of ``DROPLESS_ROUND_FACTOR`` times the fair
+    share of rows (:func:`_dropless_rounds`), as many as the busiest device needs; with a capacity
+    factor, one round of that size and the rest dropped.
     """
     n, k = experts.shape
-    me = jax.lax.axis_index(axis)
+    num_local = expert_weights[0].shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by expert, hence by owning device (experts are contiguous)
     # The gathers of this module have in-range indices by construction: mode="clip" skips the default
@@ -191,25 +210,108 @@ def _exchange_experts(z, experts, weights, glu, num_local, ep, exchange, capacit
     send_starts = _exclusive_cumsum(all_counts, axis=1).reshape(ep, ep, num_local)
     pairs = all_counts.reshape(ep, ep, num_local).transpose(1, 2, 0)  # [dst, e, src] pairs sent
     # worst case: every pair of every device lands on one device (a token's k experts are distinct)
-    capacity = capacity_rows(n * k, ep * n * min(k, num_local), capacity_factor)
-    # What does not fit is not sent (only with a capacity factor; dropped pairs contribute nothing):
-    # the busiest experts are cut (fill_capacity), each keeping its pairs from the first senders.
-    kept = _keep_prefix(pairs, fill_capacity(jnp.sum(pairs, axis=-1), capacity))  # [dst, e, src]
-    # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
-    recv_starts = _exclusive_cumsum(kept.reshape(ep, -1), axis=1).reshape(kept.shape)  # [dst, e, src]
-    # slices in (peer, local expert) order, as ragged_all_to_all groups them per peer
-    to_peers = dict(input_offsets=send_starts[me].reshape(-1), send_sizes=kept[:, :, me].reshape(-1),
-                    output_offsets=recv_starts[:, :, me].reshape(-1), recv_sizes=kept[me].T.reshape(-1))
-    # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
-    received = exchange(sent, jnp.zeros_like(sent, shape=(capacity, sent.shape[1])), **to_peers,
-                        axis_name=axis)
-    # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
-    results = glu(received, jnp.sum(kept[me], axis=1))
-    back = dict(input_offsets=recv_starts[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
-                output_offsets=send_starts[:, me].reshape(-1), recv_sizes=to_peers["send_sizes"])
-    returned = exchange(results, jnp.zeros_like(results, shape=sent.shape), **back, axis_name=axis)
+    worst = ep * n * min(k, num_local)
+    if capacity_factor > 0:
+        # What does not fit is not sent (dropped pairs contribute nothing): the busiest experts are cut
+        # (fill_capacity), each keeping its pairs from the first senders.
+        rows = capacity_rows(n * k, worst, capacity_factor)
+        kept = _keep_prefix(pairs, fill_capacity(jnp.sum(pairs, axis=-1), rows))  # [dst, e, src]
+        returned = _exchange_round(sent, *expert_weights, jnp.zeros_like(kept), kept, send_starts,
+                                   jnp.zeros_like(sent), glu=glu, exchange=exchange, axis=axis, rows=rows)
+    else:
+        rows = capacity_rows(n * k, worst, DROPLESS_ROUND_FACTOR)
+        returned = _dropless_rounds(glu, exchange, axis, rows, sent, *expert_weights, pairs, send_starts)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
     return combine_experts(weights, pair_out)
+
+
+def _exchange_round(sent, w_gate, w_up, w_down, before, count, send_starts, out, *, glu, exchange, axis, rows):
+    """One exchange: of each sender's pairs for each (dst, local expert), the ``count [dst, e, src]``
+    after the first ``before [dst, e, src]``, sent to a ``[rows, L]`` buffer grouped by expert, run
+    through the experts and written back into ``out [n*k, L]`` (``sent``'s rows; the others keep
+    ``out``'s values)."""
+    ep = count.shape[0]
+    me = jax.lax.axis_index(axis)
+    # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
+    recv_starts = _exclusive_cumsum(count.reshape(ep, -1), axis=1).reshape(count.shape)  # [dst, e, src]
+    # slices in (peer, local expert) order, as ragged_all_to_all groups them per peer
+    to_peers = dict(input_offsets=(send_starts[me] + before[:, :, me]).reshape(-1),
+                    send_sizes=count[:, :, me].reshape(-1), output_offsets=recv_starts[:, :, me].reshape(-1),
+                    recv_sizes=count[me].T.reshape(-1))
+    # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
+    received = exchange(sent, jnp.zeros_like(sent, shape=(rows, sent.shape[1])), **to_peers, axis_name=axis)
+    # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
+    results = glu(received, jnp.sum(count[me], axis=1), w_gate, w_up, w_down)
+    back = dict(input_offsets=recv_starts[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
+                output_offsets=(send_starts[:, me] + before[me].T).reshape(-1), recv_sizes=to_peers["send_sizes"])
+    return exchange(results, out.astype(results.dtype), **back, axis_name=axis)
+
+
+def dropless_rounds_needed(loads: jax.Array, rows: int) -> jax.Array:
+    """Rounds of ``rows`` a dropless exchange runs: the busiest device's. loads ``[dst, e]`` -> int scalar."""
+    return jnp.maximum(jnp.max(-(-jnp.sum(loads, axis=1) // rows)), 1)
+
+
+def _sent_before(pairs, loads, rows, r):
+    """Pairs ``[dst, e, src]`` sent in the rounds before round ``r``: each round takes ``rows`` more per
+    device, water-filled over its experts (``fill_capacity`` is monotone in the capacity), each expert's
+    from the first senders."""
+    return _keep_prefix(pairs, fill_capacity(loads, r * rows))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _dropless_rounds(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts):
+    """Every pair sent, computed and returned, in rounds of ``rows`` per device (:func:`_exchange_round`):
+    the buffers are ``[rows, L]`` whatever the routing, and nothing is dropped. Every device of the group
+    reads every device's loads (``pairs [dst, e, src]``), so all run the same number of rounds (the
+    collectives need it). Round 0 always runs; the rest, a ``while_loop`` over the rounds the loads need,
+    only when a device's pairs exceed ``rows``. The rounds write disjoint rows, so their sum is the
+    result, and the backward pass is the sum of each round's (custom VJP: a ``while_loop`` has none).
+    -> ``[n*k, L]`` in ``sent``'s rows."""
+    return _dropless_rounds_fwd(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts)[0]
+
+
+def _round_of(glu, exchange, axis, rows, pairs, send_starts, r):
+    """Round ``r`` as a function of the differentiable inputs (sent, w_gate, w_up, w_down, out)."""
+    loads = jnp.sum(pairs, axis=-1)
+    before = _sent_before(pairs, loads, rows, r)
+    count = _sent_before(pairs, loads, rows, r + 1) - before
+    return functools.partial(_run_round, before, count, send_starts, glu=glu, exchange=exchange, axis=axis, rows=rows)
+
+
+def _run_round(before, count, send_starts, sent, w_gate, w_up, w_down, out, *, glu, exchange, axis, rows):
+    return _exchange_round(sent, w_gate, w_up, w_down, before, count, send_starts, out, glu=glu, exchange=exchange,
+                           axis=axis, rows=rows)
+
+
+def _dropless_rounds_fwd(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts):
+    rounds = dropless_rounds_needed(jnp.sum(pairs, axis=-1), rows)
+    first = _round_of(glu, exchange, axis, rows, pairs, send_starts, 0)
+    out, pullback = jax.vjp(lambda *a: first(*a, jnp.zeros_like(sent)), sent, w_gate, w_up, w_down)
+
+    def body(carry):
+        r, acc = carry
+        return r + 1, _round_of(glu, exchange, axis, rows, pairs, send_starts, r)(sent, w_gate, w_up, w_down, acc)
+
+    _, out = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(1), out))
+    return out, (pullback, sent, w_gate, w_up, w_down, pairs, send_starts, rounds)
+
+
+def _dropless_rounds_bwd(glu, exchange, axis, rows, res, ct):
+    pullback, sent, w_gate, w_up, w_down, pairs, send_starts, rounds = res
+    grads = pullback(ct)  # round 0, from the forward's residuals
+
+    def body(carry):
+        r, acc = carry
+        fn = _round_of(glu, exchange, axis, rows, pairs, send_starts, r)
+        _, pull = jax.vjp(lambda *a: fn(*a, jnp.zeros_like(sent)), sent, w_gate, w_up, w_down)
+        return r + 1, jax.tree.map(lambda x, y: (x + y).astype(x.dtype), acc, pull(ct))
+
+    _, grads = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(1), grads))
+    return (*grads, None, None)
+
+
+_dropless_rounds.defvjp(_dropless_rounds_fwd, _dropless_rounds_bwd)
 
 
 def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, capacity_factor, axis):
