@@ -15,9 +15,8 @@ count (each device owns distinct tokens), the experts over ``expert`` (each devi
   owning device, and sends each device one slice per local expert with
   ``jax.lax.ragged_all_to_all``, written where the receive buffer is grouped by expert (expert 0's
   pairs from every sender, then expert 1's, ...). The experts run straight over the buffer (the
-  grouped matmul) and the results go back the same way. The receive buffer is sized for the worst
-  case, ``ep * n * min(k, E_l)`` rows for ``n`` local tokens (every pair of every device landing on
-  one device), so nothing is ever dropped.
+  grouped matmul) and the results go back the same way, in rounds of a fixed size (below), so
+  nothing is ever dropped.
 - ``all_to_all``: the same exchange, with the ragged collective emulated by a dense
   ``jax.lax.all_to_all`` of per-destination blocks padded to the worst case. It runs everywhere
   (XLA:CPU has no ``ragged-all-to-all``), so CPU tests check the offsets and regrouping the ragged
@@ -28,11 +27,16 @@ count (each device owns distinct tokens), the experts over ``expert`` (each devi
 - ``auto``: ``ragged_all_to_all`` when the mesh's devices are TPUs or GPUs, else ``all_gather``.
 
 Static shapes force the receive buffers (and the rows each device runs through its experts) to a
-size fixed at trace time. By default it is the worst case, so no pair is ever dropped; that is
-``ep * min(k, E_l)`` times the fair share ``n * k`` and dominates memory at large ``ep``.
-``moe.ep_capacity_factor = c > 0`` caps it at ``c * n * k`` rows and drops the pairs that do not
-fit (capacity, not dropless): a device over its capacity cuts its busiest experts down to a common
-level (:func:`fill_capacity`), the least loaded keep all their pairs.
+size fixed at trace time. Sized for the worst case (every pair of every device landing on one
+device: ``ep * min(k, E_l)`` times the fair share ``n * k``, 64x for K2 on ``expert=8``) they
+dominated a dropless step's memory and its counted exchange bytes. The ragged exchanges therefore
+move the pairs in rounds of ``DROPLESS_ROUND_FACTOR * n * k`` rows, as many rounds as the busiest
+device needs (every device reads every device's loads, so all agree): one round while the loads
+are within 1.25x of balanced, which Quantile Balancing keeps them; never a dropped pair.
+``moe.ep_capacity_factor = c > 0`` runs one round of ``c * n * k`` rows and drops the pairs that do
+not fit (capacity, not dropless): a device over its capacity cuts its busiest experts down to a
+common level (:func:`fill_capacity`), the least loaded keep all their pairs. The ``all_gather``
+exchange still sizes its rows for the worst case when dropless.
 
 When the tokens cannot be split over ``expert`` (fewer tokens than devices, e.g. one decode token),
 every device of an ``expert`` group holds the same tokens: each runs its own experts and the partial
