@@ -5,6 +5,8 @@
 - ``expert``: expert parallelism for the routed experts (token exchange over the ``expert`` axis).
 - ``sequence``: sequence (context) parallelism for KDA, its short conv and MLA over ``sequence``.
 
-Without a mesh (or with every axis of size 1) none of this runs and the layers take their
+Their PartitionSpecs and collective axes come from the rule table of ``k3jax.sharding`` (the one that
+lays out parameters and activations for GSPMD; ``axis_rules`` swaps it for both), not from axis names
+written here. Without a mesh (or with every axis of size 1) none of this runs and the layers take their
 single-device path.
 """
