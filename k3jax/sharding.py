@@ -233,9 +233,9 @@ def named_sharding(mesh: Mesh, axes: Sequence[str | None] | None, shape: Sequenc
 
 def gather_weight(w: jax.Array, axes: Sequence[str | None] | None, rules: Rules | None = None) -> jax.Array:
     """``w`` constrained to its layout at use (``rules``, default the active :data:`WEIGHT_USE_RULES`)
-    under the current mesh: the FSDP all-gather, made explicit. Without it GSPMD may keep a weight split along its contracting
-    (``embed``) dimension, the same mesh axes that split the batch, and resolve the conflict by
-    replicating the activations instead (the full K3 batch's MoE activations on every device).
+    under the current mesh: the FSDP all-gather, made explicit. Without it GSPMD may keep a weight split
+    along its contracting (``embed``) dimension, the same mesh axes that split the batch, and resolve the
+    conflict by replicating the activations instead (the full K3 batch's MoE activations on every device).
     Identity without a mesh or inside ``shard_map``. ``axes``: the weight's logical names; inside the
     layer scan a stacked weight has lost its leading ``layers`` axis, so only the last ``w.ndim``
     names apply.

@@ -24,11 +24,12 @@ ops that mix tokens (everything else in the model is per token and stays plain G
   reduce-scatter); ``kv_b``'s is summed over the shards. docs/scale.md ("Long context") compares this
   with attention in the latent space (the absorbed form) and with a ring over KV shards.
 
-Inside the ``shard_map`` the batch and the time axis split as the residual stream does (the ``batch`` and
-``length`` rules of the active table of ``k3jax.sharding``): the batch over the data-like axes that divide it, the time axis
-over ``sequence`` and the data-like axes the batch leaves free (one 1M-token row on ``expert=64,
-sequence=8`` runs on 512 time shards, not 8 shards each repeated on 64 devices), the heads as the ``heads``
-rule says (over ``tensor``) when they divide; the other axes hold replicas. "Sequence shards" below are these time shards.
+Inside the ``shard_map`` the batch and the time axis split as the residual stream does (the ``batch``
+and ``length`` rules of the active table of ``k3jax.sharding``): the batch over the data-like axes that
+divide it, the time axis over ``sequence`` and the data-like axes the batch leaves free (one 1M-token
+row on ``expert=64, sequence=8`` runs on 512 time shards, not 8 shards each repeated on 64 devices),
+the heads as the ``heads`` rule says (over ``tensor``) when they divide; the other axes hold replicas.
+"Sequence shards" below are these time shards.
 """
 
 from __future__ import annotations
