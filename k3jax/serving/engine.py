@@ -432,6 +432,7 @@ class Engine:
             for seq in [*self._rows, *(self._prefill.seqs if self._prefill else ()), *self._queue]:
                 if seq is not None:
                     self._finish(seq, "cancelled")
+        self._scheduler.close()
 
     def _admit(self, schedule: Schedule):
         """Queue the schedule's new requests and mark its cancelled ones (a request already finished, or

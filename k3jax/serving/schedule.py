@@ -114,6 +114,9 @@ class LocalScheduler:
     def failed(self, error: BaseException) -> None:
         """A step failed (after the engine has failed its requests in flight)."""
 
+    def close(self) -> None:
+        """The loop has stopped (after the schedule that said so)."""
+
 
 def state_digest(*parts) -> int:
     """A 31-bit digest of the engine's host state (integers and lists of them)."""
@@ -215,6 +218,15 @@ class _Distributed(LocalScheduler):
         time.sleep(FAILURE_GRACE_S)
         sys.stdout.flush()
         os._exit(FAILED_EXIT_CODE)
+
+
+    def close(self) -> None:
+        """Leave the job together (``jax.distributed.shutdown``: a barrier of every process), before
+        process 0 exits: its exit takes the coordination service with it, and JAX aborts a process
+        still connected to it."""
+        import jax
+
+        jax.distributed.shutdown()
 
 
 class LeaderScheduler(_Distributed):
