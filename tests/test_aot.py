@@ -192,3 +192,24 @@ def test_hbm_budget_flag_reaches_every_plan_job_and_must_be_positive(monkeypatch
         with pytest.raises(Stop):
             aot.main(argv)
         assert budgets[-1] == want
+
+
+def test_dropless_step_reports_its_overflow_rounds_and_bf16_weights_halve_the_state():
+    """The dropless exchange's overflow rounds are while loops of data-dependent trip count: the
+    breakdown counts them once, and the report gives the step with them not run (every device's pairs
+    within one round), with fewer FLOPs and ragged all-to-all bytes. bf16 master weights
+    (``model.param_dtype=bfloat16``) with bf16 Muon momentum hold the state in about half the bytes."""
+    r = aot.compile_job(TRAIN, breakdown=True, devices=_devices())
+    assert not r.error and r.fits, r.error
+    _, data = aot.breakdown_report(r)
+    s = data["summary"]
+    assert s["data_dependent_loops"] > 0
+    without = s["without_data_dependent_loops"]
+    assert without["flops_per_device"] < s["flops_per_device"]
+    ragged = "ragged-all-to-all"
+    assert 0 < without["collective_bytes"][ragged] < s["collective_bytes"][ragged]
+    bf16 = dataclasses.replace(TRAIN, overrides=TRAIN.overrides + ("model.param_dtype=bfloat16",
+                                                                   "train.optim.muon_dtype=bfloat16"))
+    b = aot.compile_job(bf16, flops=False, devices=_devices())
+    assert not b.error and b.fits, b.error
+    assert b.argument_bytes < 0.6 * r.argument_bytes, (b.argument_bytes, r.argument_bytes)
