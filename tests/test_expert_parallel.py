@@ -76,7 +76,9 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
 
     worst = 0.0
     # 3 tokens cannot be split over the devices: replicated over `expert`, partial sums psum-ed
-    cases = [(N, (8,), ("expert",)), (N, (2, 2, 2), ("data", "expert", "sequence")), (3, (2, 4), ("data", "expert"))]
+    # (the last: the weights' L dimension split over fsdp x sequence as stored, gathered inside the exchange)
+    cases = [(N, (8,), ("expert",)), (N, (2, 2, 2), ("data", "expert", "sequence")), (3, (2, 4), ("data", "expert")),
+             (N, (2, 2, 2), ("fsdp", "expert", "sequence"))]
     for n, shape, names in cases:
         (_, ref), ref_grads = loss(single, n)(*params)
         mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
@@ -241,6 +243,55 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu(v5p_expert_mesh):
     balanced, buffer = n // devices * top_k, n * top_k
     assert 3 * gemm * balanced <= fwd < 3 * gemm * buffer, (fwd / (3 * gemm), balanced, buffer)
     assert flops["ragged_dot"][1] > 2 * bwd
+
+
+@pytest.mark.tpu_aot
+def test_expert_weight_gradients_leave_as_reduce_scatters_on_tpu():
+    """On fsdp x expert, the routed experts' weights enter the exchange split over fsdp as stored and are
+    gathered inside, so all three gradients are reduce-scattered back to their storage shards. Gathered
+    before it (the weights entering whole), w_down's ``[E_l, F, L]`` gradient was all-reduced whole and
+    then sliced: with L split in shards of 112 (K2 and K3's 7168 over 64 devices) XLA:TPU made no
+    reduce-scatter of it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from k3jax import breakdown
+    from k3jax.ops.moe import sigmoid_topk_route
+    from k3jax.parallel.expert import expert_parallel_experts
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    pytest.importorskip("libtpu")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5:2x2x2", chip_config_name="megacore",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False))
+    fsdp = 4
+    mesh = jax.make_mesh((fsdp, 2), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2, devices=topo.devices)
+    n, latent, width, num_experts, top_k = 1024, fsdp * 112, 512, 8, 2
+
+    def loss(z, logits, w_gate, w_up, w_down):
+        route = sigmoid_topk_route(logits, None, top_k)
+        ws = [w.astype(jnp.bfloat16) for w in (w_gate, w_up, w_down)]  # float32 master weights, bf16 compute
+        with jax.named_scope("routed_experts"):
+            u = expert_parallel_experts(z.astype(jnp.bfloat16), route.experts, route.weights, *ws, activation="swiglu")
+        return jnp.sum(u * u)
+
+    def arg(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    tokens = P(("fsdp", "expert"))
+    args = [arg((n, latent), tokens), arg((n, num_experts), tokens),  # the storage rules: expert_in -> fsdp
+            arg((num_experts, latent, width), P("expert", "fsdp", None)),
+            arg((num_experts, latent, width), P("expert", "fsdp", None)),
+            arg((num_experts, width, latent), P("expert", None, "fsdp"))]
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(2, 3, 4)), out_shardings=tuple(a.sharding for a in args[2:])) \
+            .lower(*args).compile().as_text()
+    b = breakdown.breakdown(text, data_dependent_trips=0)
+    local = (num_experts // 2) * latent * width * 2  # one local-expert gradient in bf16
+    sent = local * (fsdp - 1) / fsdp
+    assert b.collective_bytes["reduce-scatter"] == pytest.approx(3 * sent, rel=0.01), dict(b.collective_bytes)
+    assert b.collective_bytes.get("all-reduce", 0.0) < 0.01 * sent, dict(b.collective_bytes)  # was 2 * sent
 
 
 @pytest.mark.tpu_aot

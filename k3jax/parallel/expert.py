@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax import kernels
 from k3jax.ops.moe import combine_experts
 from k3jax.parallel.context import axis_size, current_mesh, spec_entry
-from k3jax.sharding import expert_mesh_axes, token_mesh_axes
+from k3jax.sharding import expert_mesh_axes, logical_to_spec, spec_axes, token_mesh_axes
 from pallas_kernels.platform import ACCELERATORS, target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
@@ -104,19 +104,31 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     token_axes = token_mesh_axes(mesh, n)
     tokens = P(spec_entry(token_axes), None)
     axis = spec_entry(ep_axes)  # the exchange's collective axis name(s)
-    expert_spec = P(axis, None, None)
+    # The weights enter split as they are stored over the FSDP axes of their `expert_in` dimension (L) and
+    # are gathered inside (all_gather), so their gradients leave as reduce-scatters (its transpose).
+    # Entering whole, the gradient of w_down [E, F, L] was summed by an all-reduce of the local experts'
+    # whole matrix before each device kept its slice (XLA:TPU, L = 7168 over 64 devices).
+    gathered = spec_axes(logical_to_spec(("expert", "expert_in"), None, mesh, w_gate.shape[:2])[1])
+    if w_down.shape[2] != w_gate.shape[1]:
+        raise ValueError(f"w_down {w_down.shape} does not map the experts' hidden width back to {w_gate.shape[1]}")
+    gather_spec = spec_entry(gathered)
+    in_spec, out_spec = P(axis, gather_spec, None), P(axis, None, gather_spec)  # w_gate / w_up [E, L, F], w_down
     impl = kernels.resolve_moe_impl(impl, target_platform(mesh))
     body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
-                             capacity_factor=capacity_factor, axis=axis,
+                             capacity_factor=capacity_factor, axis=axis, gathered=gathered,
                              tokens_split=bool(ep_axes) and set(ep_axes) <= set(token_axes))
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, in_spec, in_spec, out_spec),
                          out_specs=tokens)(z, experts, weights, w_gate, w_up, w_down)
 
 
 def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, linear_beta, dispatch, ep,
-                tokens_split, capacity_factor, impl, axis, act_quant=None):
-    """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` -> u ``[n, L]`` float32."""
+                tokens_split, capacity_factor, impl, axis, gathered=(), act_quant=None):
+    """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` (their ``L`` dimension split
+    over the ``gathered`` mesh axes) -> u ``[n, L]`` float32."""
+    if gathered:  # the FSDP gather; its transpose, the gradients' reduce-scatter
+        w_gate, w_up = (jax.lax.all_gather(w, spec_entry(gathered), axis=1, tiled=True) for w in (w_gate, w_up))
+        w_down = jax.lax.all_gather(w_down, spec_entry(gathered), axis=2, tiled=True)
     quant = {} if act_quant is None else {"act_quant": act_quant}
     n, k = experts.shape
     # The kernels' cost estimates count the pairs this device's experts get at a balanced load (each
