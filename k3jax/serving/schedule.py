@@ -30,7 +30,6 @@ of hanging. One process fails the requests in flight and keeps serving.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 import threading
@@ -43,11 +42,9 @@ import numpy as np
 if TYPE_CHECKING:
     from k3jax.serving.engine import Sequence
 
-log = logging.getLogger(__name__)
-
 # Why a request is cancelled (``Engine.cancel``), as sent on the wire.
 CANCEL_REASONS = ("cancelled", "stop", "abort", "error", "length")
-_HEADER = 8  # int32s: tag, stop, admitted, cancelled, payload length, digest, (2 spare)
+_HEADER = 6  # int32s: tag, stop, admitted, cancelled, payload length, digest
 _TAG = 0x4B33_5331  # "K3S1": a header from this protocol version
 _MIN_PAYLOAD = 256  # int32s: the smallest payload bucket
 FAILED_EXIT_CODE = 3  # a process of a multi-process server that stopped because a step failed
@@ -125,7 +122,7 @@ def state_digest(*parts) -> int:
 
 
 def encode(schedule: Schedule, digest: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(header int32 [8], payload int32 [2^k >= 256] or [0])`` of a schedule. Per admitted request: id,
+    """``(header int32 [6], payload int32 [2^k >= 256] or [0])`` of a schedule. Per admitted request: id,
     prompt length, max_tokens, temperature and top_p (float32 bits), seed (uint32 bits), logprobs (-1:
     none), prompt_logprobs, the number of stop ids, the stop ids, the prompt; per cancellation: id and
     the reason's index in ``CANCEL_REASONS``."""
@@ -139,7 +136,7 @@ def encode(schedule: Schedule, digest: int) -> tuple[np.ndarray, np.ndarray]:
     for rid, reason in schedule.cancelled:
         words += [rid, CANCEL_REASONS.index(reason)]
     header = np.asarray([_TAG, int(schedule.stop), len(schedule.admitted), len(schedule.cancelled), len(words),
-                         digest, 0, 0], np.int32)
+                         digest], np.int32)
     if not words:
         return header, np.zeros(0, np.int32)
     payload = np.zeros(max(_MIN_PAYLOAD, 1 << (len(words) - 1).bit_length()), np.int32)

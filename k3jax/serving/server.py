@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
 import jax
 
 from k3jax.serving.engine import Engine
-
-log = logging.getLogger(__name__)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
