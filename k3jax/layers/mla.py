@@ -16,6 +16,7 @@ from k3jax.layers.norm import RMSNorm
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention, latent_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
 from k3jax.ops.saved_names import MIXER_OUTPUTS
+from k3jax.parallel import cache_attention as cache_parallel
 from k3jax.parallel import sequence as seq_parallel
 
 
@@ -130,7 +131,8 @@ class MLA(nnx.Module):
         """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
 
         q_nope ``[B, T, H, nope]``, q_rope ``[B, T, H, R]``, ckv ``[B, S, r]``, k_rope ``[B, S, R]``,
-        kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``.
+        kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``. A cache whose slots are split over devices runs
+        ``k3jax.parallel.cache_attention`` (split keys or split queries), not the GSPMD-partitioned loops.
         """
         c = self.cfg
         b, t = q_nope.shape[:2]
@@ -138,11 +140,15 @@ class MLA(nnx.Module):
         w_uk, w_uv = kv_b[..., : c.qk_nope_head_dim], kv_b[..., c.qk_nope_head_dim:]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
         q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)  # [B, T, H, r + R]
-        k = jnp.concatenate([ckv, k_rope.astype(ckv.dtype)], axis=-1)[:, :, None]  # [B, S, 1, r + R]
+        kv = jnp.concatenate([ckv, k_rope.astype(ckv.dtype)], axis=-1)  # [B, S, r + R]
         q_index = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
-        kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        o_lat = chunked_attention(q, k, ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
-                                  scale=self.softmax_scale)  # [B, T, H, r]
+        if cache_parallel.slot_shards(b, s) > 1:
+            o_lat = cache_parallel.cache_attention(q, kv, q_index, kv_valid, value_dim=c.kv_lora_rank,
+                                                   scale=self.softmax_scale)  # [B, T, H, r]
+        else:
+            kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            o_lat = chunked_attention(q, kv[:, :, None], ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
+                                      scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 
 

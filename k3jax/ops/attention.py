@@ -120,6 +120,23 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
     backward ``O(B·H·q_chunk·S)``. With ``T <= q_chunk`` and ``S <= kv_chunk`` this is one block, no
     loop: short sequences and decode steps pay nothing. T and S need not be multiples of the chunks.
     """
+    return chunked_attention_with_lse(q, k, v, q_index, kv_index, scale=scale, q_segment_ids=q_segment_ids,
+                                      kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, q_chunk=q_chunk,
+                                      kv_chunk=kv_chunk, out_dtype=v.dtype)[0]
+
+
+def chunked_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, kv_index: jax.Array, *,
+                               scale: float, q_segment_ids: jax.Array | None = None,
+                               kv_segment_ids: jax.Array | None = None, kv_valid: jax.Array | None = None,
+                               q_chunk: int = Q_CHUNK, kv_chunk: int = KV_CHUNK, out_dtype=jnp.float32
+                               ) -> tuple[jax.Array, jax.Array]:
+    """:func:`chunked_attention` (same arguments and blocks) that also returns each query's log-sum-exp
+    of its visible scores: (o ``[B, T, H, Dv]`` in ``out_dtype``, lse ``[B, T, H]`` float32; a query
+    with no visible key gets zeros and -inf).
+
+    Attention over disjoint key sets combines exactly from these (flash-decoding, split keys):
+    ``lse = logsumexp_i lse_i`` and ``o = sum_i exp(lse_i - lse) o_i``, hence the float32 default.
+    """
     _check_shapes(q, k, v, (q_index, q_segment_ids), (kv_index, kv_segment_ids, kv_valid))
     b, t, h, _ = q.shape
     s, dv = k.shape[1], v.shape[-1]
@@ -153,7 +170,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
         return jax.lax.cond(jnp.any(mask), update, lambda c: c, carry), None
 
     def query_block(q_c, q_index_c, q_seg_c):
-        """q_c ``[B, C, H, D]`` -> ``[B, C, H, Dv]`` in ``v.dtype``."""
+        """q_c ``[B, C, H, D]`` -> (``[B, C, H, Dv]`` in ``out_dtype``, lse ``[B, C, H]`` float32)."""
         c = q_c.shape[1]
         # *_like(q_c): inside a shard_map the carry must have q's device-varying type (cond / scan)
         carry = (jnp.full_like(q_c, -jnp.inf, jnp.float32, shape=(b, h, c)),
@@ -164,9 +181,10 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
             carry, _ = step(carry, jax.tree.map(lambda x: x[0], kv_xs))
         else:
             carry, _ = jax.lax.scan(step, carry, kv_xs)
-        _, row_sum, acc = carry
+        row_max, row_sum, acc = carry
         denom = jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
-        return (acc / jnp.moveaxis(denom, 1, 2)[..., None]).astype(v.dtype)
+        lse = jnp.where(jnp.isfinite(row_max), row_max + jnp.log(denom), -jnp.inf)  # row_max: -inf if nothing seen
+        return (acc / jnp.moveaxis(denom, 1, 2)[..., None]).astype(out_dtype), jnp.moveaxis(lse, 1, 2)
 
     if nq == 1:
         return query_block(q, q_index, q_segment_ids)
@@ -175,8 +193,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Arr
             None if q_segment_ids is None else _blocks(_pad_to(q_segment_ids, nq * cq, 1), cq))
     # prevent_cse=False: inside a scan the CSE barrier is unnecessary and only costs (jax.checkpoint docs)
     block_remat = jax.checkpoint(query_block, prevent_cse=False)
-    out = jax.lax.map(lambda xs: block_remat(*xs), q_xs)  # [Nq, B, Cq, H, Dv]
-    return jnp.moveaxis(out, 0, 1).reshape(b, nq * cq, h, dv)[:, :t]
+    out, lse = jax.lax.map(lambda xs: block_remat(*xs), q_xs)  # [Nq, B, Cq, H, Dv], [Nq, B, Cq, H]
+    return (jnp.moveaxis(out, 0, 1).reshape(b, nq * cq, h, dv)[:, :t],
+            jnp.moveaxis(lse, 0, 1).reshape(b, nq * cq, h)[:, :t])
 
 
 # Expand = (kv block [B, C, L], params) -> (keys [B, C, H, D], values [B, C, H, Dv])

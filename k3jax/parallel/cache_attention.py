@@ -1,0 +1,137 @@
+"""Attention over a decoding cache whose slots are split over devices.
+
+A long cache is spread over every mesh axis the (often tiny) decode batch leaves free: the
+``cache_length`` rule of ``k3jax.sharding``. Left to GSPMD, the blockwise attention
+(``k3jax.ops.attention.chunked_attention``: a ``lax.scan`` over key blocks inside a ``lax.map`` over
+query blocks) cannot be partitioned: each iteration's dynamic slice of the split slot axis becomes a
+collective and every device repeats the whole loop (K3's 16K-token prefill chunk into a 1M-slot cache
+on v5p-128: 32x the MLA's FLOPs and 3.6 PB of all-reduce per device). Here the loops run inside a
+``jax.shard_map`` on local arrays, in one of two layouts:
+
+- **Split keys** (flash-decoding), for few queries: each device attends all the queries over its own
+  slots and returns its partial output and log-sum-exp (``chunked_attention_with_lse``); the partials
+  are combined with one ``pmax`` and one ``psum`` over the slot axes (each weighted by
+  ``exp(lse_i - max)``). Slots that are unwritten, invalid or in a query's causal future contribute
+  nothing; a device with nothing visible returns ``lse = -inf`` and zeros.
+- **Split queries**, for a prefill chunk with many queries: the queries stay split over time (over the
+  slot axes), the cache is all-gathered once (the absorbed MLA's ``c_kv | k_rope`` latent, 576 values
+  per slot for K3) and each device attends its own queries over all slots.
+
+The choice (:func:`choose_split`) is by bytes a device moves: the split-queries gather of the cache,
+``S · D`` elements, against the split-keys traffic, the queries gathered to every device
+(``T · H · D``) plus the float32 partials' all-reduce (``2 · T · H · (Dv + 2)`` words: output, lse and
+max; an all-reduce counts twice, as ``k3jax.breakdown`` counts it). Split queries needs T divisible by
+the slot shards. A decode step (T = 1) always splits keys; K3's 16K-token chunk into a 1M-slot cache
+splits queries (1.2 GB gathered against 8.3 GB of queries and partials); a small model's short
+chunks split keys.
+
+The batch splits as the cache's batch does, and the heads over the ``heads`` rule's axes when those
+are not slot axes (the other axes hold replicas); the mesh axes all come from the active rule table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, chunked_attention, chunked_attention_with_lse
+from k3jax.parallel.context import axis_size, current_mesh
+from k3jax.sharding import logical_to_spec, spec_axes
+
+Split = Literal["keys", "queries"]
+
+
+def _specs(mesh, batch: int, slots: int, heads: int):
+    """(batch entry, slot axes, heads entry): the cache's ``[B, S, ...]`` layout (``batch``, ``cache_length``)
+    and the heads over the ``heads`` rule's axes that the batch and the slots leave free."""
+    b_entry, s_entry, h_entry = logical_to_spec(("batch", "cache_length", "heads"), None, mesh,
+                                                (batch, slots, heads))
+    return b_entry, spec_axes(s_entry), h_entry
+
+
+def slot_shards(batch: int, slots: int, mesh=None) -> int:
+    """How many devices a ``[batch, slots, ...]`` cache's slots are split over under the current mesh (1
+    without one)."""
+    mesh = current_mesh() if mesh is None else mesh
+    if mesh is None:
+        return 1
+    return math.prod(axis_size(mesh, a) for a in spec_axes(logical_to_spec(("batch", "cache_length"), None, mesh,
+                                                                           (batch, slots))[1]))
+
+
+def choose_split(*, queries: int, slots: int, heads: int, key_dim: int, value_dim: int, shards: int,
+                 q_itemsize: int, kv_itemsize: int) -> Split:
+    """The layout that moves fewer bytes per device and batch row (module docstring): ``"queries"`` when the
+    queries divide over the ``shards`` and the gathered cache (``slots x key_dim``) is no larger than the
+    queries gathered plus the float32 partials' all-reduce (``heads``: a device's heads), else ``"keys"``."""
+    if queries % shards:
+        return "keys"
+    gather = slots * key_dim * kv_itemsize
+    combine = queries * heads * (key_dim * q_itemsize + 2 * (value_dim + 2) * 4)
+    return "queries" if gather <= combine else "keys"
+
+
+def cache_attention(q: jax.Array, kv: jax.Array, q_index: jax.Array, kv_valid: jax.Array | None, *,
+                    value_dim: int, scale: float, split: Split | None = None, q_chunk: int = Q_CHUNK,
+                    kv_chunk: int = KV_CHUNK) -> jax.Array:
+    """Multi-query attention over a slot-split cache whose values are the keys' leading ``value_dim``
+    features (the absorbed MLA: keys ``c_kv | k_rope``, values ``c_kv``).
+
+    q ``[B, T, H, D]``; kv ``[B, S, D]`` (the cache, slot j at position j); q_index ``[B, T]`` the
+    queries' slots (key j visible to query i iff ``j <= q_index[i]`` and ``kv_valid[j]``); kv_valid
+    ``[B, S]`` bool or None (all valid). Returns ``[B, T, H, value_dim]`` in kv's dtype, what
+    ``chunked_attention(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, arange(S), kv_valid=...)``
+    returns. ``split``: the layout (None: :func:`choose_split`'s); ``q_chunk`` / ``kv_chunk``: the blocks
+    of each device's ``chunked_attention``.
+    """
+    mesh = current_mesh()
+    (b, t, h, d), s = q.shape, kv.shape[1]
+    shards = slot_shards(b, s, mesh)
+    if shards == 1:
+        raise ValueError(f"cache_attention: the cache's {s} slots are not split under the current mesh")
+    b_entry, axes, h_entry = _specs(mesh, b, s, h)
+    if split is None:
+        local_heads = h // math.prod(axis_size(mesh, a) for a in spec_axes(h_entry))
+        split = choose_split(queries=t, slots=s, heads=local_heads, key_dim=d, value_dim=value_dim, shards=shards,
+                             q_itemsize=q.dtype.itemsize, kv_itemsize=kv.dtype.itemsize)
+    if split == "queries" and t % shards:
+        raise ValueError(f"cache_attention: {t} queries do not split over {shards} slot shards")
+    if kv_valid is None:
+        kv_valid = jnp.ones((b, s), bool)
+    cache, valid = P(b_entry, axes, None), P(b_entry, axes)
+    t_entry = axes if split == "queries" else None
+    queries, index = P(b_entry, t_entry, h_entry, None), P(b_entry, t_entry)
+    body = _split_queries if split == "queries" else _split_keys
+    body = functools.partial(body, axes=axes, value_dim=value_dim, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    return jax.shard_map(body, mesh=mesh, in_specs=(queries, cache, index, valid),
+                         out_specs=queries)(q, kv, q_index, kv_valid)
+
+
+def _split_keys(q, kv, q_index, kv_valid, *, axes, value_dim, scale, q_chunk, kv_chunk):
+    """One slot shard: all queries ``[B, T, h, D]`` over its own slots ``[B, s, D]``; partials combined."""
+    b, s = kv.shape[:2]
+    kv_index = jnp.broadcast_to(jax.lax.axis_index(axes) * s + jnp.arange(s, dtype=jnp.int32), (b, s))
+    q = jax.lax.pcast(q, axes, to="varying")  # the shared queries meet this shard's own slots
+    o, lse = chunked_attention_with_lse(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, kv_index,
+                                        kv_valid=kv_valid, scale=scale, q_chunk=q_chunk,
+                                        kv_chunk=kv_chunk)  # [B, T, h, Dv] float32, [B, T, h]
+    top = jax.lax.pmax(lse, axes)
+    weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for a shard that sees nothing
+    total = jax.lax.psum(weight, axes)
+    o = jax.lax.psum(o * weight[..., None], axes) / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
+    return o.astype(kv.dtype)
+
+
+def _split_queries(q, kv, q_index, kv_valid, *, axes, value_dim, scale, q_chunk, kv_chunk):
+    """One query shard: its queries ``[B, t, h, D]`` over the gathered cache ``[B, S, D]``."""
+    kv = jax.lax.all_gather(kv, axes, axis=1, tiled=True)
+    kv_valid = jax.lax.all_gather(kv_valid, axes, axis=1, tiled=True)
+    b, s = kv.shape[:2]
+    kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return chunked_attention(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, kv_index, kv_valid=kv_valid,
+                             scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)

@@ -1,0 +1,214 @@
+"""Attention over a cache whose slots are split over devices (k3jax/parallel/cache_attention.py).
+
+- ``chunked_attention_with_lse`` against the plain masked softmax: its output, its log-sum-exp (-inf
+  and zeros for a query that sees nothing), partials over disjoint key sets combining into the whole.
+- The layout rule (split keys / split queries) on K3's and a decode step's sizes.
+- On 8 fake CPU devices (a subprocess: the device count is set before JAX starts): both layouts equal
+  the single-device op, with rows and shards that see nothing; a 2-layer MLA model decodes (batch 1
+  and 2, a left-padded row) and prefills a chunk into a partly filled 4096-slot cache split 8 (or 4)
+  ways with the single-device logits and cache; and the compiled programs' collectives move the
+  partials or the cache once, where the GSPMD-partitioned loops move the cache per key block.
+"""
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_devices import RELATIVE_ERROR, run_on_cpu_devices
+from k3jax.ops import attention as attn_ops
+from k3jax.parallel.cache_attention import choose_split
+
+pytestmark = pytest.mark.usefixtures("fast_xla")
+
+B, H, D, DV = 2, 3, 8, 5
+
+
+def _masked_scores(q, k, mask, scale):
+    """Plain float32 scores ``[B, H, T, S]`` of a shared key ``[B, S, 1, D]``, -inf where masked."""
+    scores = jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0]) * scale
+    return jnp.where(mask[:, None], scores, -jnp.inf)
+
+
+@pytest.mark.parametrize("t,s,q_chunk,kv_chunk", [(1, 37, 4, 8), (13, 29, 4, 6), (9, 9, 512, 1024)])
+def test_lse_matches_plain_reference(t, s, q_chunk, kv_chunk):
+    """Odd shapes over several blocks (and one block): o equals ``attention`` and ``chunked_attention``;
+    lse equals logsumexp of the visible scores; a row with no visible key gets zeros and -inf."""
+    kq, kk = jax.random.split(jax.random.key(t * s))
+    q = jax.random.normal(kq, (B, t, H, D))
+    k = jax.random.normal(kk, (B, s, 1, D))
+    v = k[..., :DV]
+    q_index = jnp.broadcast_to(s - t + jnp.arange(t, dtype=jnp.int32), (B, t))
+    kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+    kv_valid = jnp.stack([jnp.arange(s) >= 3, jnp.zeros((s,), bool)])  # row 1 sees nothing
+    fn = jax.jit(attn_ops.chunked_attention_with_lse, static_argnames=("scale", "q_chunk", "kv_chunk"))
+    o, lse = fn(q, k, v, q_index, kv_index, kv_valid=kv_valid, scale=0.4, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    assert o.dtype == jnp.float32 and o.shape == (B, t, H, DV) and lse.shape == (B, t, H)
+    mask = attn_ops.attention_mask(q_index, kv_index, kv_valid=kv_valid)
+    np.testing.assert_allclose(o, attn_ops.attention(q, k, v, mask, scale=0.4), rtol=1e-5, atol=1e-6)
+    plain = attn_ops.chunked_attention(q, k, v, q_index, kv_index, kv_valid=kv_valid, scale=0.4, q_chunk=q_chunk,
+                                       kv_chunk=kv_chunk)
+    np.testing.assert_array_equal(o, plain)  # the same values, chunked_attention's output unchanged
+    want_lse = jax.nn.logsumexp(_masked_scores(q, k, mask, 0.4), axis=-1)  # [B, H, T]
+    np.testing.assert_allclose(lse[0], jnp.moveaxis(want_lse[0], 0, 1), rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(lse[1])) and not np.any(o[1])
+
+
+def test_partials_over_disjoint_keys_combine_into_the_whole():
+    """The split-keys combine: attention over two halves of the keys, weighted by exp(lse_i - lse), is
+    the attention over all of them (half 2 is wholly in the future of the first queries)."""
+    t, s = 6, 20
+    kq, kk = jax.random.split(jax.random.key(3))
+    q = jax.random.normal(kq, (B, t, H, D))
+    k = jax.random.normal(kk, (B, s, 1, D))
+    v = k[..., :DV]
+    q_index = jnp.broadcast_to(jnp.asarray([0, 2, 9, 10, 15, 19], jnp.int32), (B, t))
+    kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+    parts = [attn_ops.chunked_attention_with_lse(q, k[:, sl], v[:, sl], q_index, kv_index[:, sl], scale=0.5,
+                                                 q_chunk=4, kv_chunk=3)
+             for sl in (slice(0, 10), slice(10, s))]
+    lse = jnp.logaddexp(parts[0][1], parts[1][1])
+    o = sum(p[0] * jnp.exp(p[1] - lse)[..., None] for p in parts)
+    whole = attn_ops.attention(q, k, v, attn_ops.attention_mask(q_index, kv_index), scale=0.5)
+    np.testing.assert_allclose(o, whole, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isneginf(parts[1][1][:, :2]))  # the first queries see nothing of half 2
+
+
+def test_layout_rule():
+    """Decode steps and short chunks split keys; K3's 16K-token chunk into 1M slots splits queries
+    (1.2 GB of latent gathered against 8.3 GB of queries and partials); queries that do not divide over
+    the shards always split keys."""
+    k3 = dict(slots=1 << 20, heads=96, key_dim=576, value_dim=512, shards=128, q_itemsize=2, kv_itemsize=2)
+    assert choose_split(queries=1, **k3) == "keys"
+    assert choose_split(queries=16384, **k3) == "queries"
+    assert choose_split(queries=16384 + 8, **k3) == "keys"  # not a multiple of 128
+    tiny = dict(slots=65536, heads=4, key_dim=40, value_dim=32, shards=8, q_itemsize=4, kv_itemsize=4)
+    assert choose_split(queries=2048, **tiny) == "keys"  # 10.5 MB of cache against 3.5 MB of partials
+    assert choose_split(queries=8192, **tiny) == "queries"
+
+
+SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
+    import dataclasses
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from k3jax import create_model, load_config
+    from k3jax import breakdown as hlo_breakdown
+    from k3jax.ops.attention import chunked_attention
+    from k3jax.parallel import cache_attention as ca
+    from k3jax.sharding import cache_shardings, logical_to_spec, make_mesh, parse_mesh, shard_model
+
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    # ---- the op: both layouts equal the single-device blockwise attention
+    B, S, H, D, DV = 2, 256, 3, 12, 8
+    kv = normal(B, S, D)
+    valid = np.arange(S)[None] < np.array([[150], [100]])
+    valid[1, :20] = False
+    valid = jnp.asarray(valid)
+    slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    for t, start in ((1, 149), (16, 120), (64, 10)):
+        q = normal(B, t, H, D)
+        q_index = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (B, t))
+        row_valid = valid.at[1].set(False) if t == 16 else valid  # a row that sees nothing
+        ref = chunked_attention(q, kv[:, :, None], kv[:, :, None, :DV], q_index, slots, kv_valid=row_valid,
+                                scale=0.3)
+        for mesh_text, shards in (("sequence=8", 8), ("data=2,expert=2,tensor=2", 4)):
+            with jax.set_mesh(make_mesh(parse_mesh(mesh_text))):
+                assert ca.slot_shards(B, S) == shards
+                for split in ("keys", "queries") if t % shards == 0 else ("keys",):
+                    got = jax.jit(lambda *a: ca.cache_attention(*a, value_dim=DV, scale=0.3, split=split, q_chunk=8,
+                                                                kv_chunk=16))(q, kv, q_index, row_valid)
+                    err = rel(got, ref)
+                    assert err < 1e-6, (t, mesh_text, split, err)
+    with jax.set_mesh(make_mesh(parse_mesh("sequence=8"))):
+        assert ca.slot_shards(B, 100) == 1  # 100 slots do not split 8 ways: the GSPMD path
+        try:
+            ca.cache_attention(q[:, :4], kv, q_index[:, :4], valid, value_dim=DV, scale=0.3, split="queries")
+            raise AssertionError("4 queries split over 8 shards")
+        except ValueError as e:
+            assert "do not split over 8" in str(e), e
+
+    # ---- the compiled programs: the partials or the cache move once, not the cache per key block
+    S, H, D, DV, KV_CHUNK = 4096, 4, 40, 32, 256
+    mesh = make_mesh(parse_mesh("expert=8"))
+    cache_spec = NamedSharding(mesh, logical_to_spec(("batch", "cache_length", None), None, mesh, (1, S, D)))
+    valid_spec = NamedSharding(mesh, logical_to_spec(("batch", "cache_length"), None, mesh, (1, S)))
+
+    def per_device(fn, t):  # (matmul FLOPs, collective bytes) of one device, loop trips applied (k3jax.breakdown)
+        args = (jax.ShapeDtypeStruct((1, t, H, D), jnp.float32),
+                jax.ShapeDtypeStruct((1, S, D), jnp.float32, sharding=cache_spec),
+                jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1, S), bool, sharding=valid_spec))
+        with jax.set_mesh(mesh):
+            counts = hlo_breakdown.breakdown(jax.jit(fn).lower(*args).compile().as_text())
+        return counts.total_flops, sum(counts.collective_bytes.values())
+
+    def gspmd(q, kv, q_index, kv_valid):
+        slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, S))
+        return chunked_attention(q, kv[:, :, None], kv[:, :, None, :DV], q_index, slots, kv_valid=kv_valid,
+                                 scale=0.3, kv_chunk=KV_CHUNK)
+
+    gathered = (S * D * 4 + S) * 7 / 8  # what one device receives of the gathered cache and its valid flags
+    moved = {}
+    for t, split in ((1, "keys"), (64, "keys"), (512, "queries")):
+        fn = lambda *a: ca.cache_attention(*a, value_dim=DV, scale=0.3, split=split, kv_chunk=KV_CHUNK)
+        (flops, moved[t, split]), (gspmd_flops, moved[t, "gspmd"]) = per_device(fn, t), per_device(gspmd, t)
+        # an eighth of the scores and weighted values; split keys moves the float32 partials' all-reduce
+        # (output, lse, max: twice 7/8 of them), split queries the cache once
+        assert flops <= 1.01 * 2 * t * H * S * (D + DV) / 8, (t, split, flops)
+        assert moved[t, split] <= 1.01 * (2 * t * H * (DV + 2) * 4 * 7 / 8 if split == "keys" else gathered), moved
+        # GSPMD's partitioned loops: every device repeats all the work, over the gathered cache
+        assert gspmd_flops >= 7.9 * flops and moved[t, "gspmd"] > gathered, (t, gspmd_flops, moved)
+    # ---- the model: decode and prefill into a slot-split cache equal the single-device run
+    cfg = load_config("tiny", ["model.layout=mla", "model.num_layers=2", "model.first_dense_layers=2",
+                               "model.max_seq_len=4096"]).model
+    model = create_model(cfg, seed=1)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, tok, valid, c: nnx.merge(graphdef, s)(tok, cache=c, token_valid=valid))
+    # a prompt (keys split: shard 0 alone holds it), a 512-token chunk (queries split), 3 decode steps (keys)
+    lengths, expected = (40, 512, 1, 1, 1), {40: "keys", 512: "queries", 1: "keys"}
+    chosen = {}  # queries per row -> the layout the rule chose (recorded at trace time)
+    rule = ca.choose_split
+    ca.choose_split = lambda **kw: chosen.setdefault(kw["queries"], rule(**kw))
+
+    def run(batch, state, mesh=None):
+        tokens = jax.random.randint(jax.random.key(batch), (batch, sum(lengths)), 0, cfg.vocab_size)
+        token_valid = jnp.ones(tokens.shape, bool).at[1:, :10].set(False)  # row 1 left-padded
+        cache = model.init_cache(batch, 4096)
+        if mesh is not None:
+            cache = jax.device_put(cache, cache_shardings(cache, mesh))
+        logits, at = [], 0
+        for n in lengths:
+            out, cache = step(state, tokens[:, at:at + n], token_valid[:, at:at + n], cache)
+            logits.append(out)
+            at += n
+        return jnp.concatenate(logits, axis=1), cache
+
+    worst = 0.0
+    for batch, meshes in ((1, ("expert=8",)), (2, ("sequence=8", "fsdp=2,expert=4"))):
+        ref_logits, ref_cache = run(batch, state)
+        for mesh_text in meshes:
+            mesh = make_mesh(parse_mesh(mesh_text))
+            sharded = nnx.state(shard_model(create_model(cfg, seed=1), mesh))
+            chosen.clear()
+            with jax.set_mesh(mesh):
+                shards = ca.slot_shards(batch, 4096)
+                logits, cache = run(batch, sharded, mesh)
+            assert shards == (4 if "fsdp" in mesh_text else 8), (mesh_text, shards)
+            assert chosen == expected, chosen
+            floats = lambda c: [x for x in jax.tree.leaves(c) if jnp.issubdtype(x.dtype, jnp.floating)]
+            np.testing.assert_array_equal(cache.valid, ref_cache.valid)
+            assert int(cache.length) == sum(lengths) and np.all(np.asarray(cache.positions == ref_cache.positions))
+            err = max(rel(logits, ref_logits), rel(floats(cache), floats(ref_cache)))
+            assert err < 1e-5, (batch, mesh_text, err)
+            worst = max(worst, err)
+    print("OK", {f"{t} {how}": f"{v:.3g}" for (t, how), v in moved.items()}, "model err", worst)
+""")
+
+
+@pytest.mark.slow
+def test_slot_split_cache_attention_on_8_devices():
+    print(run_on_cpu_devices(SCRIPT))
