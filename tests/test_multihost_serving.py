@@ -25,7 +25,8 @@ import pytest
 
 from cpu_devices import subprocess_env, xla_flags
 from k3jax.serving.engine import SamplingParams, Sequence
-from k3jax.serving.schedule import CANCEL_REASONS, FAILED_EXIT_CODE, Schedule, decode, encode, payload_size
+from k3jax.serving.schedule import (CANCEL_REASONS, FAILED_EXIT_CODE, LocalScheduler, Schedule, decode, encode,
+                                    mirror_sequence, payload_size)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = ["model.num_layers=2", "model.attn_res.block_size=1"]  # KDA + MLA, their caches
@@ -73,6 +74,80 @@ def test_schedule_round_trips_through_its_int32_arrays():
     assert set(CANCEL_REASONS) >= {"cancelled", "stop", "abort"}  # the reasons the API cancels with
     with pytest.raises(RuntimeError, match="protocol's tag"):
         decode(np.zeros(6, np.int32), payload, _seq)
+
+
+# --- the engine is a function of its schedule ------------------------------------------------------------
+
+class _Recording(LocalScheduler):
+    """Process 0's side in one process: every schedule as the int32 arrays it would broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def next(self, busy: bool, digest: int) -> Schedule:
+        schedule = super().next(busy, digest)
+        self.sent.append(encode(schedule, digest))
+        return schedule
+
+
+class _Replay(LocalScheduler):
+    """A follower's side: the recorded arrays decoded into mirror requests, each digest compared."""
+
+    def __init__(self, sent):
+        super().__init__()
+        self.sent, self.mirrors, self.digests = iter(sent), {}, []
+
+    def next(self, busy: bool, digest: int) -> Schedule:
+        schedule, leader = decode(*next(self.sent), mirror_sequence)
+        self.digests.append((leader, digest))
+        self.mirrors.update({seq.id: seq for seq in schedule.admitted})
+        return schedule
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fast_xla")
+def test_an_engine_replaying_the_schedule_makes_the_same_tokens():
+    """Requests arriving at their own times (sampled with drawn seeds, nucleus, log-probabilities, a stop
+    token, one cancelled mid-way, shared prefixes) on one engine; a second engine fed only its schedules'
+    arrays produces every request's tokens and end, and agrees on the state digest at every iteration."""
+    import threading
+
+    from k3jax import create_model, load_config
+    from k3jax.serving.engine import Engine
+
+    model = create_model(load_config("tiny", MODEL).model, seed=1)
+    options = dict(max_batch=4, max_len=MAX_LEN, prefill_chunk=4, prefill_batch=2, prefix_cache_tokens=64)
+    recording = _Recording()
+    leader = Engine(model, scheduler=recording, **options).start()
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, 9).tolist()
+    finished = threading.Semaphore(0)
+    seqs = []
+    for i in range(7):
+        prompt = (shared if i % 2 else []) + rng.integers(0, 256, int(rng.integers(1, 12))).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(3, 14)), temperature=[0.0, 0.9][i % 2], top_p=0.8,
+                                stop_ids=(7,), logprobs=2 if i == 3 else None)
+
+        def on_token(_token, _logprobs, i=i):
+            if i == 4 and len(seqs[4].generated) == 2:  # the client leaves after two tokens
+                leader.cancel(seqs[4])
+
+        seqs.append(Sequence(prompt, params, on_token, lambda _reason: finished.release()))
+        leader.submit(seqs[-1])
+        time.sleep(float(rng.uniform(0, 0.3)))  # arrivals between, during and after steps
+    for _ in seqs:
+        assert finished.acquire(timeout=300)
+    leader.stop()
+    assert seqs[4].finish_reason == "cancelled"
+
+    replay = _Replay(recording.sent)
+    follower = Engine(model, scheduler=replay, **options).start()
+    follower.wait()
+    assert len(replay.digests) == len(recording.sent) and all(a == b for a, b in replay.digests)
+    for seq in seqs:
+        mirror = replay.mirrors[seq.id]
+        assert (mirror.generated, mirror.finish_reason) == (seq.generated, seq.finish_reason), seq.id
 
 
 # --- two processes ------------------------------------------------------------------------------------

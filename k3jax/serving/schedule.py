@@ -243,16 +243,8 @@ class FollowerScheduler(_Distributed):
         raise RuntimeError(f"process {self.process} takes no requests: process 0 serves the API")
 
     def next(self, busy: bool, digest: int) -> Schedule:
-        from k3jax.serving.engine import Sequence
-
         header, payload = _broadcast(np.zeros(_HEADER, np.int32), lambda h: np.zeros(payload_size(h), np.int32))
-
-        def mirror(rid, prompt, params, seed):
-            seq = Sequence(prompt, params, _ignore, _ignore)
-            seq.id, seq.seed = rid, seed
-            return seq
-
-        schedule, leader_digest = decode(header, payload, mirror)
+        schedule, leader_digest = decode(header, payload, mirror_sequence)
         if leader_digest != digest:
             raise RuntimeError(f"process {self.process}'s engine state (digest {digest}) differs from process 0's "
                                f"({leader_digest}): the processes would run different programs")
@@ -262,6 +254,16 @@ class FollowerScheduler(_Distributed):
 
 def _ignore(*_) -> None:
     """A mirror request's callbacks: process 0 answers the client."""
+
+
+def mirror_sequence(rid: int, prompt: list[int], params, seed: int) -> Sequence:
+    """A follower's copy of process 0's request ``rid``: the same prompt, parameters and seed, reporting to
+    nobody."""
+    from k3jax.serving.engine import Sequence
+
+    seq = Sequence(prompt, params, _ignore, _ignore)
+    seq.id, seq.seed = rid, seed
+    return seq
 
 
 def make_scheduler(idle_sync_s: float = IDLE_SYNC_S) -> LocalScheduler:
@@ -275,4 +277,4 @@ def make_scheduler(idle_sync_s: float = IDLE_SYNC_S) -> LocalScheduler:
 
 
 __all__ = ["CANCEL_REASONS", "FAILED_EXIT_CODE", "FollowerScheduler", "LeaderScheduler", "LocalScheduler",
-           "Schedule", "decode", "encode", "make_scheduler", "state_digest"]
+           "Schedule", "decode", "encode", "make_scheduler", "mirror_sequence", "state_digest"]
