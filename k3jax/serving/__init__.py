@@ -1,11 +1,14 @@
 """Serving: an OpenAI-compatible HTTP server with continuous batching (``python infer.py --serve``).
 
 - ``engine``: the pool of cache rows and the background decode loop (continuous batching);
+- ``schedule``: each iteration's input to that loop (requests, cancellations, stop): local in one process,
+  broadcast by process 0 to the others on several hosts;
+- ``loading``: a checkpoint in its stored dtype, and its weight bytes per device;
 - ``sampling``: per-row temperature / top-p sampling;
 - ``text``: chat prompts, incremental detokenisation with stop strings;
 - ``api``: the FastAPI app, OpenAI request / response schemas and validation;
 - ``metrics``: Prometheus counters, gauges and the time-to-first-token histogram;
-- ``server``: command-line options and the uvicorn start.
+- ``server``: command-line options and the uvicorn start (process 0; the other processes follow).
 """
 
 from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
