@@ -76,6 +76,15 @@ def test_schedule_round_trips_through_its_int32_arrays():
         decode(np.zeros(6, np.int32), payload, _seq)
 
 
+def test_a_heartbeat_timeout_under_a_second_is_an_argument_error(tmp_path, capsys):
+    import infer
+
+    with pytest.raises(SystemExit) as exit_:  # before anything is loaded (the checkpoint does not exist)
+        infer.main(["--checkpoint", str(tmp_path / "missing"), "--serve", "--heartbeat-timeout", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--heartbeat-timeout must be at least 1 second, got 0" in err, err
+
+
 # --- the engine is a function of its schedule ------------------------------------------------------------
 
 class _Recording(LocalScheduler):
