@@ -23,9 +23,9 @@ from flax import nnx
 from k3jax.cache import ModelCache, init_cache
 from k3jax.config import LoRAConfig, ModelConfig
 from k3jax.layer_plan import LayerKind, LayerPlan, layer_kind, plan_layers
-from k3jax.layers import attn_res, lora
+from k3jax.layers import lora
 from k3jax.ops import saved_names
-from k3jax.layers.attn_res import AttnResMix
+from k3jax.layers.attn_res import AttnResMix, ResidualStream
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import abstract_init, cast, normal
 from k3jax.layers.kda import KDA
@@ -84,7 +84,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, kind: LayerKind, *, rngs: nnx.Rngs):
         mixer, ffn = kind
         pd = jnp.dtype(cfg.param_dtype)
-        self.kind, self.attn_res = kind, cfg.attn_res
+        self.kind, self.residual = kind, ResidualStream.of(cfg)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
         self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
@@ -128,26 +128,17 @@ class DecoderLayer(nnx.Module):
         return out
 
     def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
-        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on; layer_idx:
-        this layer's index (an int, traced inside the scan). Returns (carry, LayerStats, updated layer
-        cache or None)."""
+        """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on (the protocol:
+        ``ResidualStream``); layer_idx: this layer's index (an int, traced inside the scan). Returns
+        (carry, LayerStats, updated layer cache or None)."""
         # adapters' dropout: one key per layer (and per weight, lora.site_key)
         lora_key = None if ctx.lora_key is None else jax.random.fold_in(ctx.lora_key, layer_idx)
-        if not self.attn_res.enabled:
-            y, cache, max_logits = self._mix(carry, ctx, cache, lora_key)
-            h = carry + y.astype(carry.dtype)
-            y, router = self._ffn(h, ctx, lora_key)
-            return h + y.astype(h.dtype), LayerStats(router, max_logits), cache
-        with jax.named_scope("attn_res"):
-            h = self.attn_res_mix(carry)
-            state = attn_res.close_block(carry, self.attn_res.closes_block(layer_idx))
+        mixes = (self.attn_res_mix, self.ffn_res_mix) if self.residual.attn_res else (None, None)
+        h, carry = self.residual.mixer_input(carry, layer_idx, mixes[0])
         y, cache, max_logits = self._mix(h, ctx, cache, lora_key)
-        with jax.named_scope("attn_res"):
-            state = attn_res.add(state, y)
-            h = self.ffn_res_mix(state)
+        h, carry = self.residual.ffn_input(carry, y, mixes[1])
         y, router = self._ffn(h, ctx, lora_key)
-        with jax.named_scope("attn_res"):
-            return attn_res.add(state, y), LayerStats(router, max_logits), cache
+        return self.residual.layer_output(carry, y), LayerStats(router, max_logits), cache
 
 
 class LayerGroup(nnx.Module):
@@ -155,27 +146,17 @@ class LayerGroup(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
-        self.remat = cfg.remat
-        # A group closes at most one AttnRes block when blocks are at least a group long: its layers then
-        # share the bank they read, written once at the group's end (k3jax/layers/attn_res.py).
-        self.flush_every_layer = cfg.attn_res.block_size < len(kinds)
+        self.remat, self.residual = cfg.remat, ResidualStream.of(cfg)
 
     def __call__(self, carry, first_layer, ctx, caches=None):
         stats, new_caches = [], []
-        last = len(self.layers) - 1
         for j, layer in enumerate(self.layers):
             carry, st, c = call_layer(layer, self.remat, carry, first_layer + j, ctx,
                                       None if caches is None else caches[j])
-            if j == last or self.flush_every_layer:
-                carry = flush_bank(carry)
+            carry = self.residual.after_group_layer(carry, j, len(self.layers))
             stats.append(st)
             new_caches.append(c)
         return carry, (tuple(stats), tuple(new_caches))
-
-
-def flush_bank(carry):
-    """Write a pending AttnRes block into the bank (``attn_res.flush``); a plain residual passes."""
-    return attn_res.flush(carry) if isinstance(carry, attn_res.AttnResState) else carry
 
 
 def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache):
@@ -191,19 +172,13 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
     if remat == "none":
         return layer(carry, layer_idx, ctx, cache)
     graphdef, state = nnx.split(layer)
-    # A layer reads the AttnRes bank but never writes it: the bank goes in, not out, so every layer of a
-    # scanned group checkpoints the same bank value and the scan saves it once per group, not per layer.
-    bank = carry.bank if isinstance(carry, attn_res.AttnResState) else None
 
     def run(state, carry, layer_idx, ctx, cache):
         out, stats, cache = nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
-        if bank is not None:
-            assert out.bank is carry.bank, "a decoder layer wrote the AttnRes bank (attn_res.flush does that)"
-            out = out._replace(bank=None)
-        return out, stats, cache
+        return layer.residual.without_bank(out, carry), stats, cache  # the AttnRes bank goes in, not out
 
     out, stats, cache = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
-    return (out if bank is None else out._replace(bank=bank)), stats, cache
+    return layer.residual.with_bank(out, carry), stats, cache
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -260,6 +235,7 @@ class K3Model(nnx.Module):
         self.cfg = cfg
         self.lora_config: LoRAConfig | None = None  # set by add_lora
         self.plan = plan = plan_layers(cfg)
+        self.residual = ResidualStream.of(cfg)  # plain or Block AttnRes: what each layer reads and writes
         pd = jnp.dtype(cfg.param_dtype)
         self.embed = normal(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.init_std, pd)
         self.prefix = nnx.List([DecoderLayer(cfg, layer_kind(cfg, i), rngs=rngs) for i in plan.prefix])
@@ -281,6 +257,16 @@ class K3Model(nnx.Module):
         if not self.cfg.vision.enabled:
             raise ValueError("this model has no vision tower (model.vision.enabled is false)")
         return self.mm_projector(self.vision_tower(images))
+
+    def _run_unrolled(self, layers, indices, carry, ctx: _Context, caches, stats: dict):
+        """The prefix or suffix layers (model layers ``indices``), one after another; each one's LayerStats
+        goes into ``stats``. Returns (carry, their updated caches)."""
+        new_caches = []
+        for layer, i, cache in zip(layers, indices, caches):
+            carry, stats[i], c = call_layer(layer, self.cfg.remat, carry, i, ctx, cache)
+            carry = self.residual.after_unrolled_layer(carry, i)
+            new_caches.append(c)
+        return carry, new_caches
 
     def _run_groups(self, carry, ctx: _Context, caches):
         plan, cfg = self.plan, self.cfg
@@ -368,7 +354,7 @@ class K3Model(nnx.Module):
         plan = self.plan
         layer_caches = cache if cache is not None else ModelCache(
             (None,) * len(plan.prefix), None, (None,) * len(plan.suffix), None, None, None)
-        stats, new_prefix, new_suffix = {}, [], []  # stats: {layer: LayerStats}
+        stats = {}  # {layer: LayerStats}
         with jax.named_scope("embedding"):
             # out-of-vocabulary ids (only possible under a trace) read row 0 or V-1, never NaN
             x = jnp.take(cast(self.embed, dt), tokens, axis=0, mode="clip")
@@ -377,28 +363,17 @@ class K3Model(nnx.Module):
                 features = self.encode_images(images) if isinstance(images, VisionInputs) else images
             chex.assert_shape(features, (b, None, cfg.hidden_size))  # [B, M, d]: one feature row per image token
             x = splice_image_features(x, tokens, features, cfg.vision.media_pad_id)
-        if cfg.attn_res.enabled:
-            carry = attn_res.init_state(x, cfg.attn_res.num_slots(cfg.num_layers))
-        else:
-            carry = x
-        for j, (layer, i) in enumerate(zip(self.prefix, plan.prefix)):
-            carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.prefix[j])
-            if cfg.attn_res.closes_block(i):  # an unrolled layer knows whether it closed one: write it now
-                carry = flush_bank(carry)
-            new_prefix.append(c)
+        residual = self.residual
+        carry = residual.start(x)
+        carry, new_prefix = self._run_unrolled(self.prefix, plan.prefix, carry, ctx, layer_caches.prefix, stats)
         new_groups = None
         if self.groups is not None:
             carry, (group_stats, new_groups) = self._run_groups(carry, ctx, layer_caches.groups)
             for j, st in enumerate(group_stats):  # leaves [num_groups, ...]: one slice per layer
                 for g, i in enumerate(plan.slot_layers(j)):
                     stats[i] = jax.tree.map(lambda x, g=g: x[g], st)
-        for j, (layer, i) in enumerate(zip(self.suffix, plan.suffix)):
-            carry, stats[i], c = call_layer(layer, cfg.remat, carry, i, ctx, layer_caches.suffix[j])
-            if cfg.attn_res.closes_block(i):  # an unrolled layer knows whether it closed one: write it now
-                carry = flush_bank(carry)
-            new_suffix.append(c)
-        with jax.named_scope("attn_res"):
-            h = self.final_res_mix(carry) if cfg.attn_res.enabled else carry
+        carry, new_suffix = self._run_unrolled(self.suffix, plan.suffix, carry, ctx, layer_caches.suffix, stats)
+        h = residual.readout(carry, self.final_res_mix if residual.attn_res else None)
         with jax.named_scope("lm_head_loss"):
             h = self.final_norm(h)
             if in_vocab is not None:  # the flag of a traced out-of-vocabulary id: NaN logits at its position only

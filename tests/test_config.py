@@ -22,6 +22,7 @@ from k3jax.config import (
     to_dict,
     without_runtime_fields,
 )
+from k3jax.layers.attn_res import ResidualStream
 
 NAMED = ("k3", "k2", "kimi_linear_48b", "tiny", "small")
 
@@ -74,8 +75,9 @@ def test_k3_values_match_spec_table():
         96, 1536, 512, 128, 64, 128)
     assert c.rope == "none" and c.output_gate and c.norm_eps == 1e-6
     assert m.attn_res.enabled and m.attn_res.block_size == 12
-    assert m.attn_res.num_slots(m.num_layers) + 1 == 9  # 9 sources at the final readout: 8 bank rows + partial
-    assert [i for i in range(m.num_layers) if m.attn_res.closes_block(i)] == list(range(0, 93, 12))
+    residual = ResidualStream.of(m)
+    assert residual.num_slots + 1 == 9  # 9 sources at the final readout: 8 bank rows + partial
+    assert [i for i in range(m.num_layers) if residual.closes_block(i)] == list(range(0, 93, 12))
     assert m.max_seq_len == 1_048_576
 
 

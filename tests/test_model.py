@@ -273,7 +273,7 @@ def test_scan_saves_one_attn_res_bank_per_group(block_size):
         return jnp.mean(nnx.merge(graphdef, state)(tok)[0])
 
     residuals = jax.tree.leaves(jax.eval_shape(lambda s: jax.vjp(loss, s)[1], state))  # vjp_fn's leaves
-    bank = (model.plan.num_groups, cfg.attn_res.num_slots(cfg.num_layers), *tok.shape, cfg.hidden_size)
+    bank = (model.plan.num_groups, model.residual.num_slots, *tok.shape, cfg.hidden_size)
     saved = sum(r.shape == bank for r in residuals)
     assert saved == (1 if block_size >= model.plan.period else model.plan.period), saved
 

@@ -129,22 +129,11 @@ class AttnResConfig:
     plain pre-norm stack."""
 
     enabled: bool = True
-    block_size: int = 12  # decoder layers per block (closes_block)
+    block_size: int = 12  # decoder layers per block (the protocol: k3jax.layers.attn_res.ResidualStream)
     eps: float = 1e-5
 
     def validate(self, prefix: str) -> None:
         check(self.block_size > 0, f"{prefix}.block_size", "must be positive")
-
-    def closes_block(self, layer):
-        """Whether decoder layer ``layer`` (an int, or an int array traced inside the scan) first pushes
-        the running partial sum into the bank: layers 0, block_size, 2 block_size, ... (at layer 0 the
-        partial is the embedding)."""
-        return layer % self.block_size == 0
-
-    def num_slots(self, num_layers: int) -> int:
-        """Bank rows a ``num_layers`` stack fills: one per closing layer (the embedding included). The
-        final readout mixes these and the running partial: ``num_slots + 1`` sources."""
-        return -(-num_layers // self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)

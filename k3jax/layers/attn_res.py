@@ -16,14 +16,21 @@ a group's layers read is then one value, which the layers' checkpoints save once
 of once per layer (full K3 on v5p-1024: 3 of 4 saved banks, 15.5 GB per device, go; docs/scale.md).
 Nothing here depends on other positions, so decoding needs no AttnRes cache: every token carries its
 own bank through the layers.
+
+:class:`ResidualStream` is the whole protocol as the model runs it (and the plain pre-norm residual
+when AttnRes is off): the model calls it and holds no AttnRes rule of its own.
 """
 
+from __future__ import annotations
+
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.config import ModelConfig
 from k3jax.layers.initializers import constant
 
 
@@ -96,3 +103,98 @@ class AttnResMix(nnx.Module):
     def __call__(self, state: AttnResState) -> jax.Array:
         values, valid = sources(state)
         return attn_res_mix(values, valid, self.query[...], self.norm[...], self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualStream:
+    """The residual protocol of one decoder stack: what each sublayer reads, when a block closes, when
+    the bank is written and what the final readout mixes. With ``attn_res`` off it is the plain
+    pre-norm residual (the carry is the stream ``[B, T, d]``); with it on the carry is an
+    :class:`AttnResState` and the ``mix`` arguments are the sublayers' :class:`AttnResMix`.
+
+    Per decoder layer: ``mixer_input`` (read, then close a block at a closing layer), the mixer,
+    ``ffn_input`` (add its output, read), the FFN, ``layer_output`` (add). Between layers:
+    ``after_unrolled_layer`` or ``after_group_layer`` (write a pending block into the bank)."""
+
+    attn_res: bool
+    block_size: int  # decoder layers per AttnRes block
+    num_layers: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> ResidualStream:
+        return cls(cfg.attn_res.enabled, cfg.attn_res.block_size, cfg.num_layers)
+
+    def closes_block(self, layer):
+        """Whether decoder layer ``layer`` (an int, or an int array traced inside the scan) first pushes the
+        running partial sum into the bank: layers 0, block_size, 2 block_size, ... (at layer 0 the partial
+        is the embedding)."""
+        return layer % self.block_size == 0
+
+    @property
+    def num_slots(self) -> int:
+        """Bank rows the stack fills: one per closing layer (the embedding included). The final readout
+        mixes these and the running partial: ``num_slots + 1`` sources."""
+        return -(-self.num_layers // self.block_size)
+
+    def flushes_every_layer(self, group_size: int) -> bool:
+        """Whether a scanned group of ``group_size`` layers writes the bank after every layer: when blocks
+        are shorter than a group, which may then close more than one. Otherwise a group closes at most
+        one block, and its layers share the bank they read, written once at the group's end."""
+        return self.block_size < group_size
+
+    def start(self, embedding: jax.Array):
+        """The carry before layer 0. embedding ``[B, T, d]``."""
+        return init_state(embedding, self.num_slots) if self.attn_res else embedding
+
+    def mixer_input(self, carry, layer, mix: AttnResMix | None):
+        """-> (the mixer's input ``[B, T, d]``, carry). ``layer``: this layer's index (traced in the scan)."""
+        if not self.attn_res:
+            return carry, carry
+        with jax.named_scope("attn_res"):
+            return mix(carry), close_block(carry, self.closes_block(layer))
+
+    def ffn_input(self, carry, y: jax.Array, mix: AttnResMix | None):
+        """The mixer's output ``y`` added -> (the FFN's input ``[B, T, d]``, carry)."""
+        if not self.attn_res:
+            h = carry + y.astype(carry.dtype)
+            return h, h
+        with jax.named_scope("attn_res"):
+            state = add(carry, y)
+            return mix(state), state
+
+    def layer_output(self, carry, y: jax.Array):
+        """The FFN's output ``y`` added: the carry out of the layer."""
+        if not self.attn_res:
+            return carry + y.astype(carry.dtype)
+        with jax.named_scope("attn_res"):
+            return add(carry, y)
+
+    def after_unrolled_layer(self, carry, layer: int):
+        """After an unrolled layer: it knows whether it closed a block, so a closed one is written now."""
+        return flush(carry) if self.attn_res and self.closes_block(layer) else carry
+
+    def after_group_layer(self, carry, slot: int, group_size: int):
+        """After slot ``slot`` of a scanned group of ``group_size`` layers (:meth:`flushes_every_layer`)."""
+        if self.attn_res and (slot == group_size - 1 or self.flushes_every_layer(group_size)):
+            return flush(carry)
+        return carry
+
+    def without_bank(self, out, carry):
+        """A layer's output carry with the bank taken out: a layer reads the bank but never writes it, so a
+        layer checkpoint gets the bank as an input, not an output, and every layer of a scanned group
+        checkpoints the same bank value (the scan saves it once per group, not per layer)."""
+        if not self.attn_res:
+            return out
+        assert out.bank is carry.bank, "a decoder layer wrote the AttnRes bank (flush does that)"
+        return out._replace(bank=None)
+
+    def with_bank(self, out, carry):
+        """The inverse of :meth:`without_bank`: the input carry's bank put back."""
+        return out._replace(bank=carry.bank) if self.attn_res else out
+
+    def readout(self, carry, mix: AttnResMix | None) -> jax.Array:
+        """The final hidden state ``[B, T, d]`` before the final norm."""
+        if not self.attn_res:
+            return carry
+        with jax.named_scope("attn_res"):
+            return mix(carry)
