@@ -57,7 +57,9 @@ def _zeros_fn(shape, dtype, sharding):
 def _update_fn(sharding):
     def update(arr, block, *idx):
         block = block.reshape((1,) * len(idx) + block.shape)
-        return jax.lax.dynamic_update_slice(arr, block.astype(arr.dtype), tuple(idx) + (0,) * (block.ndim - len(idx)))
+        # int32 throughout: a bare 0 would be int64 under jax_enable_x64, and the starts must share a type
+        starts = [jnp.asarray(i, jnp.int32) for i in (*idx, *(0,) * (block.ndim - len(idx)))]
+        return jax.lax.dynamic_update_slice(arr, block.astype(arr.dtype), starts)
 
     return jax.jit(update, donate_argnums=0, out_shardings=sharding)
 
