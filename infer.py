@@ -11,9 +11,9 @@ process runs its schedule of prefill and decode steps (``k3jax/serving/server.py
 
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
 unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
-or a Hugging Face model directory (e.g. a
-``to_hf`` / ``k3jax.convert`` export), local or a URL (``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run
-of the default main job (``runs/default``) is used.
+or a Hugging Face model directory (e.g. a ``to_hf`` / ``k3jax.convert`` export), local or a URL
+(``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run of the default main
+job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
 
 Weights load in the dtype the checkpoint stores (``--dtype auto``: a HF directory's config.json
