@@ -109,6 +109,9 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
     # Entering whole, the gradient of w_down [E, F, L] was summed by an all-reduce of the local experts'
     # whole matrix before each device kept its slice (XLA:TPU, L = 7168 over 64 devices).
     gathered = spec_axes(logical_to_spec(("expert", "expert_in"), None, mesh, w_gate.shape[:2])[1])
+    # Only over axes the tokens split over: the output is then device-varying there anyway. Over the others
+    # (a decode batch too small to split) the gathered weights would make a replicated output varying.
+    gathered = tuple(a for a in gathered if a in token_axes)
     if w_down.shape[2] != w_gate.shape[1]:
         raise ValueError(f"w_down {w_down.shape} does not map the experts' hidden width back to {w_gate.shape[1]}")
     gather_spec = spec_entry(gathered)
