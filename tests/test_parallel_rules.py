@@ -62,11 +62,13 @@ def region_specs():
     }
 
 
-def expected_specs(tokens, experts, batch, time, heads):
-    """The regions' specs for the given entries of each dimension."""
+def expected_specs(tokens, experts, batch, time, heads, expert_in):
+    """The regions' specs for the given entries of each dimension (the expert weights enter split over
+    their ``expert_in`` storage axes, gathered inside)."""
     act = P(batch, time, heads, None)
+    weights = (P(experts, expert_in, None),) * 2 + (P(experts, None, expert_in),)  # w_gate, w_up, w_down
     return {
-        "expert": [((P(tokens, None),) * 3 + (P(experts, None, None),) * 3, (P(tokens, None),))],
+        "expert": [((P(tokens, None),) * 3 + weights, (P(tokens, None),))],
         "conv": [((P(batch, time, heads), P(None, heads)), (P(batch, time, heads),))],
         "kda": [((act,) * 4 + (P(batch, time, heads),), (act,))],
         "mla": [((act, P(batch, time, None), P(None, heads, None)), (act,))],
@@ -79,7 +81,7 @@ def test_default_table_specs():
     assert current_rules() == DEFAULT_RULES
     assert expert_mesh_axes(MESH) == ("expert",) and token_mesh_axes(MESH, N) == MESH_AXES[1:]
     assert region_specs() == expected_specs(("fsdp", "expert", "sequence", "tensor"), "expert",
-                                            ("fsdp", "expert"), "sequence", "tensor")
+                                            ("fsdp", "expert"), "sequence", "tensor", ("fsdp", "sequence"))
 
 
 def test_shard_map_specs_follow_a_swapped_table():
@@ -96,7 +98,8 @@ def test_shard_map_specs_follow_a_swapped_table():
             jaxpr = jax.make_jaxpr(lambda x: constrain_activation(x, ("batch", "length", "heads", None)))(x)
         constraint = [e.params["sharding"].spec for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"]
         assert constraint == [logical_to_spec(("batch", "length", "heads", None), SWAPPED, MESH, x.shape)]
-    assert got == expected_specs(("expert", "sequence", "fsdp", "tensor"), "tensor", "expert", "sequence", "fsdp")
+    assert got == expected_specs(("expert", "sequence", "fsdp", "tensor"), "tensor", "expert", "sequence", "fsdp",
+                                 ("fsdp", "sequence"))
     assert current_rules() == DEFAULT_RULES  # restored on exit
 
 
