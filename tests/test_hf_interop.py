@@ -946,12 +946,11 @@ def kda_layer_float64(p: dict, x, K: int, eps: float):
 
 @pytest.mark.slow
 def test_kda_layer_gradients_against_float64(kimi_linear_ckpt):
-    """Each KDA layer of the random tiny Kimi Linear (softplus gate, A up to 16, so decays reach -100 per
-    step), isolated: k3jax's float32 parameter and input gradients against a float64 reference of the
-    layer, with transformers' float32 layer on the same inputs for scale. (Whole-model gradients of this
-    model differ from float64 by up to ~1e-4 on either side, most at the first layers' conv and gate
-    weights, and neither side is consistently closer: that is the float32 conditioning of the stack.)
-    Also: from_hf loads under jax_enable_x64."""
+    """Each KDA layer of the random tiny Kimi Linear (softplus gate, A up to 16), isolated: k3jax's float32
+    parameter and input gradients against a float64 reference of the layer, and against transformers'
+    float32 layer on the same inputs. (Whole-model gradients of this model differ from float64 by up to
+    ~1e-4 on either side, most at the first layers' conv and gate weights, and neither side is
+    consistently closer: docs/kernels.md, "Gradient precision".) Also: from_hf loads under jax_enable_x64."""
     path, _ = kimi_linear_ckpt
     with jax.enable_x64(True):
         model = from_hf(path, overrides=["kda.chunk_size=8", "scan_layers=false"])
