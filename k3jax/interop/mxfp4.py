@@ -94,7 +94,7 @@ def shared_exponent(amax: np.ndarray, rule: ScaleRule = DEFAULT_SCALE_RULE) -> n
       threshold at mantissa 1.5 (AITER's ``f32_to_e8m0``); differs from ``"ceil"`` only at
       ``amax = 6 * 2**k``;
     - ``"ocp"``: OCP MX v1.0 Algorithm 1, ``floor(log2(amax)) - 2``; blocks whose peak mantissa
-      exceeds 1.5 clip their largest element to 6 (k3_format.md §4.2-4.3).
+      exceeds 1.5 clip their largest element to 6 (docs/quantization.md, "The scale rule is a switch").
 
     ``amax = 0`` gives exponent 0 (byte 127). Exponents are clamped to E8M0's [-127, 127].
     """

@@ -1,6 +1,6 @@
 """The image processor (numpy / PIL) and the placeholder block of an image in the token stream.
 
-Follows the release's ``media_proc_cfg`` (research k3_format.md §3.2.1):
+Follows the release's ``media_proc_cfg`` (its image preprocessing config; docs/design.md "Vision"):
 
 1. scale ``s = min(1, sqrt(max_patches / (max(1, w // p) * max(1, h // p))), side * p / w,
    side * p / h)`` (``side = max_patches_per_side``), new size ``min(max(1, int(x * s)), side * p)``;

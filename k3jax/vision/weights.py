@@ -1,6 +1,6 @@
 """The vision tower and projector in the official checkpoint layout (``vision_tower.*``, ``mm_projector.*``).
 
-Names and orientation are the release's (torch ``[out, in]`` matrices; research k3_format.md §3.1):
+Names and orientation are the release's (torch ``[out, in]`` matrices, as its safetensors hold them):
 ``vision_tower.patch_embed.proj.weight [D, 3, p, p]``, ``vision_tower.patch_embed.pos_emb.weight
 [S, S, D]``, ``vision_tower.encoder.blocks.{i}.{norm0, norm1, wqkv, wo, mlp.fc0, mlp.fc1}``,
 ``vision_tower.encoder.final_layernorm``, ``mm_projector.{proj.0, proj.2, post_norm | pre_norm}``;
@@ -96,7 +96,7 @@ def is_vision_tensor(name: str) -> bool:
 
 
 def vision_config_from_hf(vc: dict, text_hidden: int | None = None) -> dict:
-    """The release's ``vision_config`` (``vt_*`` keys; research k3_format.md §2.2) -> ``VisionConfig``
+    """The release's ``vision_config`` (its config.json's ``vt_*`` keys) -> ``VisionConfig``
     fields (``enabled`` left out). Missing keys take K3's values."""
     from k3jax.config import VisionConfig
 
