@@ -90,6 +90,60 @@ def test_bank_bookkeeping_matches_a_python_list(flush_every):
     np.testing.assert_allclose(np.asarray(state.partial), partial, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 4, 5, 13])
+def test_residual_stream_protocol_matches_a_python_list(block_size):
+    """ResidualStream driven as the model drives it (an unrolled layer 0, three scanned groups of four
+    layers, the readout) reads, at every sublayer, the sources of the AttnRes definition: the blocks
+    closed so far (a layer ``i`` with ``i % block_size == 0`` closes one after its attention read) and the
+    running partial. The bank is written after the unrolled layer that closes a block and at each group's
+    end, or after every layer when blocks are shorter than a group."""
+    cfg = load_config("tiny", [f"model.attn_res.block_size={block_size}"]).model
+    stream = attn_res.ResidualStream.of(cfg)
+    assert stream.num_slots == len(range(0, cfg.num_layers, block_size))
+    rng = np.random.default_rng(4)
+    emb = rng.standard_normal((1, 2, 3)).astype(np.float32)
+    read = lambda state: state  # noqa: E731  a "mix" that hands back what it read
+    carry, bank, partial = stream.start(jnp.asarray(emb)), [], emb.astype(np.float64)
+
+    def check(state, expected):
+        got = _state_sources(state)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    for i in range(cfg.num_layers):
+        seen, carry = stream.mixer_input(carry, jnp.asarray(i), read)
+        check(seen, bank + [partial])
+        if i % block_size == 0:
+            bank, partial = bank + [partial], np.zeros_like(partial)
+        y = rng.standard_normal(emb.shape).astype(np.float32)
+        seen, carry = stream.ffn_input(carry, jnp.asarray(y), read)
+        partial = partial + y
+        check(seen, bank + [partial])
+        y = rng.standard_normal(emb.shape).astype(np.float32)
+        carry, partial = stream.layer_output(carry, jnp.asarray(y)), partial + y
+        if i == 0:  # layer 0 closes a block: written at once
+            carry, stored = stream.after_unrolled_layer(carry, i), len(bank)
+        else:
+            slot = (i - 1) % 4
+            carry = stream.after_group_layer(carry, slot, 4)
+            stored = len(bank) if slot == 3 or block_size < 4 else stored
+        assert (int(carry.num_blocks), int(carry.stored)) == (len(bank), stored)
+    check(stream.readout(carry, read), bank + [partial])
+    assert int(carry.stored) == stream.num_slots
+
+
+def test_residual_stream_without_attn_res_is_the_plain_residual():
+    stream = attn_res.ResidualStream.of(load_config("tiny", ["model.attn_res.enabled=false"]).model)
+    x, y1, y2 = (jnp.asarray(np.random.default_rng(s).standard_normal((2, 3, 4)), jnp.float32) for s in range(3))
+    h, carry = stream.mixer_input(stream.start(x), 0, None)
+    assert h is x and carry is x
+    h, carry = stream.ffn_input(carry, y1, None)
+    np.testing.assert_array_equal(h, x + y1)
+    out = stream.after_group_layer(stream.layer_output(carry, y2), 3, 4)
+    np.testing.assert_array_equal(stream.readout(out, None), x + y1 + y2)
+
+
 def test_zero_query_gives_uniform_weights():
     rng = np.random.default_rng(2)
     with nnx.use_eager_sharding(False):
