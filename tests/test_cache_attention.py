@@ -4,10 +4,12 @@
   and zeros for a query that sees nothing), partials over disjoint key sets combining into the whole.
 - The layout rule (split keys / split queries) on K3's and a decode step's sizes.
 - On 8 fake CPU devices (a subprocess: the device count is set before JAX starts): both layouts equal
-  the single-device op, with rows and shards that see nothing; a 2-layer MLA model decodes (batch 1
+  the single-device op, with rows and shards that see nothing, and the slot write equals
+  ``dynamic_update_slice`` (chunks at, across and over shard boundaries); a 2-layer MLA model decodes (batch 1
   and 2, a left-padded row) and prefills a chunk into a partly filled 4096-slot cache split 8 (or 4)
   ways with the single-device logits and cache; and the compiled programs' collectives move the
-  partials or the cache once, where the GSPMD-partitioned loops move the cache per key block.
+  partials or the cache once, where the GSPMD-partitioned loops move the cache per key block (and its
+  write of a chunk gathers the whole cache).
 """
 
 import textwrap
@@ -124,6 +126,15 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
                                                                 kv_chunk=16))(q, kv, q_index, row_valid)
                     err = rel(got, ref)
                     assert err < 1e-6, (t, mesh_text, split, err)
+    # ---- the write: new entries land where dynamic_update_slice puts them (32 slots a shard: at a shard
+    # boundary, straddling two, spanning four, filling the cache)
+    for t, start in ((1, 31), (1, 32), (20, 25), (100, 10), (S, 0)):
+        new = normal(B, t, D)
+        want = jax.lax.dynamic_update_slice_in_dim(kv, new, start, axis=1)
+        for mesh_text in ("sequence=8", "data=2,expert=2,tensor=2"):
+            with jax.set_mesh(make_mesh(parse_mesh(mesh_text))):
+                got = jax.jit(ca.write_slots)(kv, new, start)
+            np.testing.assert_array_equal(got, want, err_msg=f"{t} {start} {mesh_text}")
     with jax.set_mesh(make_mesh(parse_mesh("sequence=8"))):
         assert ca.slot_shards(B, 100) == 1  # 100 slots do not split 8 ways: the GSPMD path
         try:
@@ -162,6 +173,18 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
         assert moved[t, split] <= 1.01 * (2 * t * H * (DV + 2) * 4 * 7 / 8 if split == "keys" else gathered), moved
         # GSPMD's partitioned loops: every device repeats all the work, over the gathered cache
         assert gspmd_flops >= 7.9 * flops and moved[t, "gspmd"] > gathered, (t, gspmd_flops, moved)
+    moved = {f"{t} {how}": v for (t, how), v in moved.items()}
+    # writing a 512-token chunk: the chunk is gathered (7/8 of it), not the cache
+    def write_bytes(fn):
+        args = (jax.ShapeDtypeStruct((1, S, D), jnp.float32, sharding=cache_spec),
+                jax.ShapeDtypeStruct((1, 512, D), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+        with jax.set_mesh(mesh):
+            return sum(hlo_breakdown.breakdown(jax.jit(fn).lower(*args).compile().as_text()).collective_bytes.values())
+
+    moved["512 write"] = write_bytes(ca.write_slots)
+    moved["512 write gspmd"] = write_bytes(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1))
+    assert moved["512 write"] <= 512 * D * 4 * 7 / 8 and moved["512 write gspmd"] >= S * D * 4 * 7 / 8, moved
+
     # ---- the model: decode and prefill into a slot-split cache equal the single-device run
     cfg = load_config("tiny", ["model.layout=mla", "model.num_layers=2", "model.first_dense_layers=2",
                                "model.max_seq_len=4096"]).model
@@ -205,7 +228,7 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
             err = max(rel(logits, ref_logits), rel(floats(cache), floats(ref_cache)))
             assert err < 1e-5, (batch, mesh_text, err)
             worst = max(worst, err)
-    print("OK", {f"{t} {how}": f"{v:.3g}" for (t, how), v in moved.items()}, "model err", worst)
+    print("OK", {k: f"{v:.3g}" for k, v in moved.items()}, "model err", worst)
 """)
 
 

@@ -108,9 +108,11 @@ class MLA(nnx.Module):
             return y, None, head_max_logits(q, k, index, segment_ids, self.softmax_scale)
         if max_logits:
             raise ValueError("max_logits is measured in the expanded (training) form, without a cache")
-        ckv_all = jax.lax.dynamic_update_slice_in_dim(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index, axis=1)
-        k_rope_all = jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype),
-                                                         cache_index, axis=1)
+        # a slot-split cache is written by the devices that hold the slots (GSPMD would gather it whole)
+        write = (cache_parallel.write_slots if cache_parallel.slot_shards(b, cache.ckv.shape[1]) > 1
+                 else functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=1))
+        ckv_all = write(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index)
+        k_rope_all = write(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype), cache_index)
         o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
         return self._gate_and_project(x, o, lora_key), MLACache(ckv_all, k_rope_all)
 

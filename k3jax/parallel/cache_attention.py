@@ -1,4 +1,4 @@
-"""Attention over a decoding cache whose slots are split over devices.
+"""Attention over a decoding cache whose slots are split over devices, and the write of new slots.
 
 A long cache is spread over every mesh axis the (often tiny) decode batch leaves free: the
 ``cache_length`` rule of ``k3jax.sharding``. Left to GSPMD, the blockwise attention
@@ -24,6 +24,10 @@ max; an all-reduce counts twice, as ``k3jax.breakdown`` counts it). Split querie
 the slot shards. A decode step (T = 1) always splits keys; K3's 16K-token chunk into a 1M-slot cache
 splits queries (1.2 GB gathered against 8.3 GB of queries and partials); a small model's short
 chunks split keys.
+
+New entries are written (:func:`write_slots`) by the devices that hold their slots, each in a window
+of ``min(T, s)`` of its ``s`` slots; GSPMD writes a chunk into the split slot axis by gathering the
+whole cache (1.2 GB per K3 MLA layer and prefill chunk at 1M slots).
 
 The batch splits as the cache's batch does, and the heads over the ``heads`` rule's axes when those
 are not slot axes (the other axes hold replicas); the mesh axes all come from the active rule table.
@@ -135,3 +139,35 @@ def _split_queries(q, kv, q_index, kv_valid, *, axes, value_dim, scale, q_chunk,
     kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     return chunked_attention(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, kv_index, kv_valid=kv_valid,
                              scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def write_slots(cache: jax.Array, new: jax.Array, start) -> jax.Array:
+    """``lax.dynamic_update_slice_in_dim(cache, new, start, axis=1)`` for a slot-split cache: each device
+    writes the new entries that land in its own slots, in place. GSPMD writes a chunk of several slots
+    into a split axis by all-gathering the whole cache.
+
+    cache ``[B, S, W]``, new ``[B, T, W]`` in the cache's dtype, start ``[]`` int (slots
+    ``[start, start + T)``, within the cache) -> ``[B, S, W]``.
+    """
+    mesh = current_mesh()
+    b, s = cache.shape[:2]
+    b_entry, axes, _ = _specs(mesh, b, s, 1)
+    spec = P(b_entry, axes, None)
+    return jax.shard_map(functools.partial(_write_local, axes=axes), mesh=mesh, in_specs=(spec, P(b_entry), P()),
+                         out_specs=spec)(cache, new, jnp.asarray(start, jnp.int32))
+
+
+def _write_local(cache, new, start, *, axes):
+    """One slot shard ``[B, s, W]``: a window of ``min(T, s)`` slots holds every new entry that lands here."""
+    s, t = cache.shape[1], new.shape[1]
+    n = min(t, s)
+    offset = jax.lax.axis_index(axes) * s
+    at = jnp.clip(start - offset, 0, s - n)  # the window's first local slot
+    rel = at + offset - start + jnp.arange(n)  # the new entry each window slot receives, if in [0, T)
+    window = jax.lax.dynamic_slice_in_dim(cache, at, n, axis=1)
+    rows = jnp.take(new, jnp.clip(rel, 0, t - 1), axis=1)
+    written = jnp.where(((rel >= 0) & (rel < t))[None, :, None], rows, window)
+    return jax.lax.dynamic_update_slice_in_dim(cache, written, at, axis=1)
