@@ -92,10 +92,9 @@ def test_layout_rule():
 
 
 SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
-    import dataclasses
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
     from k3jax import create_model, load_config
     from k3jax import breakdown as hlo_breakdown
     from k3jax.ops.attention import chunked_attention
