@@ -181,7 +181,7 @@ PLAN: tuple[Job, ...] = (
     Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=4096, seq_len=4096,
         overrides=("train.batch_size=4096", "train.grad_accum=16", "train.grad_dtype=bfloat16", *_K3_TRAIN),
         note="16 micro-batches, bf16 gradients"),
-    # the same step on half the chips, under the 90 GiB per device: capacity 1.25, and the in-place
+    # the same step on half the chips, held to 90 GiB per device (headroom under the 95.74): capacity 1.25, the in-place
     # optimizer and unhoisted weight casts (docs/scale.md)
     Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=2, expert=64, sequence=4), batch=256, seq_len=4096,
         overrides=("train.batch_size=256", "model.remat=full", "model.moe.ep_capacity_factor=1.25",
