@@ -194,6 +194,7 @@ def test_hbm_budget_flag_reaches_every_plan_job_and_must_be_positive(monkeypatch
         assert budgets[-1] == want
 
 
+@pytest.mark.slow
 def test_dropless_step_reports_its_overflow_rounds_and_bf16_weights_halve_the_state():
     """The dropless exchange's overflow rounds are while loops of data-dependent trip count: the
     breakdown counts them once, and the report gives the step with them not run (every device's pairs
