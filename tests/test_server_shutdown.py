@@ -25,7 +25,7 @@ import pytest
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.api import create_app
 from k3jax.serving.metrics import Metrics
-from test_serving import client, post, running_server
+from test_serving import client, free_port, post, running_server, wait_until_serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEP_S = 0.02
@@ -151,25 +151,14 @@ run_server(SlowEngine(), ByteTokenizer(), "tiny", host="127.0.0.1", port={port},
 
 @pytest.mark.slow  # a server subprocess (its imports: ~10-30 s)
 def test_sigterm_drains_streams_in_flight():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER.format(root=str(ROOT), tests=str(ROOT / "tests"),
                                                                  port=port)],
                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_until_serving(proc, url, timeout_s=120, poll_s=0.2)
         started = threading.Barrier(4)
 
         def stream(max_tokens):

@@ -46,6 +46,29 @@ REF_T, REF_NEW = 32, 16  # the reference's padded prompt width and tokens: one c
 
 
 # --- a server on a free port ---------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server subprocess to bind)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, *, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Wait for a server subprocess (stdout piped) to answer ``/health``; fail with its output if it exits
+    or does not come up within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return
+        except OSError:
+            time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def running_server(engine: Engine, model_name: str = "tiny", tokenizer=None):
     """A uvicorn server of ``engine`` (with ``tokenizer``, default bytes) on 127.0.0.1 (free port) in a
@@ -438,10 +461,7 @@ def test_infer_cli_serves(tmp_path):
 
     # the loader pairs a HF checkpoint with the default train settings (seq_len 128): the model's own length
     to_hf(create_model(load_config("tiny", ["model.num_layers=5"]).model), tmp_path / "ckpt")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     env = subprocess_env()  # XLA's optimisation passes off: the server's programs compile faster
     proc = subprocess.Popen([sys.executable, str(ROOT / "infer.py"), "--serve", "--checkpoint", str(tmp_path / "ckpt"),
                              "--tokenizer", "byte", "--port", str(port), "--max-batch", "2", "--max-len", "32",
@@ -449,15 +469,7 @@ def test_infer_cli_serves(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_until_serving(proc, url, timeout_s=600)
         c = client(url)
         assert [m.id for m in c.models.list().data] == ["demo"]
         r = c.completions.create(model="demo", prompt="And God said", max_tokens=5, temperature=0)
