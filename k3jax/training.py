@@ -17,7 +17,8 @@ from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import ForwardStats, K3Model, abstract_model, create_model
-from k3jax.optim import cast_muon_group, make_lora_optimizer, make_optimizer, qk_clip
+from k3jax.optim import cast_muon_group, make_lora_optimizer, make_optimizer
+from k3jax.optim.qk_clip import qk_clip
 from k3jax.sharding import state_shardings
 
 

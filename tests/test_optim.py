@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from k3jax import newton_schulz, optim
+from k3jax import optim
+from k3jax.optim import muon, newton_schulz, qk_clip
 from k3jax.config import ConfigError, OptimConfig, load_config
 from k3jax.model import abstract_model, create_model
 
@@ -143,7 +144,8 @@ NEWTON_SCHULZ_ON_4_DEVICES = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
-from k3jax import breakdown, newton_schulz
+from k3jax import breakdown
+from k3jax.optim import newton_schulz
 
 # 6 stacked [64, 96] blocks stored as FSDP shards: the matrix rows split over the 4 devices
 x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 64, 96)), jnp.float32)
@@ -263,7 +265,7 @@ def test_stack_of_single_blocks_is_orthogonalised_once_over_the_mesh_on_tpu():
     g = jax.ShapeDtypeStruct((layers, r, o), jnp.bfloat16, sharding=sharded)
     params = {name: g for name in ("gate", "up", "down")}
     dn = optim.MDN(reduction_axis=(1,), output_axis=(2,))
-    tx = optim.scale_by_grouped_muon(lambda u: {k: dn for k in u}, stacked=lambda u: {k: True for k in u},
+    tx = muon.scale_by_grouped_muon(lambda u: {k: dn for k in u}, stacked=lambda u: {k: True for k in u},
                                      group_max_size=1 << 16, mu_dtype=jnp.bfloat16)
     hlo = _compile_muon_update(tx, params, mesh, sharded).as_text()
     per_device = breakdown.breakdown(hlo).part_flops("newton_schulz")
@@ -313,8 +315,8 @@ def test_adamw_only_optimizer_gives_every_parameter_adams_first_step():
     for name, g in grads.items():
         want = -lr * (g / (np.abs(g) + eps) + (wd * np.asarray(params[name]) if name in decayed else 0.0))
         np.testing.assert_allclose(updates[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
-    assert not any(isinstance(x, optim.GroupedMuonState)
-                   for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optim.GroupedMuonState)))
+    assert not any(isinstance(x, muon.GroupedMuonState)
+                   for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, muon.GroupedMuonState)))
     # The default differs exactly on the Muon group (same settings otherwise).
     muon_tx = optim.make_optimizer(dataclasses.replace(cfg, optimizer="muon"), model, total_steps=10)
     muon, _ = jax.jit(muon_tx.update)(grads, muon_tx.init(params), params)
@@ -348,7 +350,7 @@ def test_dimension_numbers_with_and_without_heads():
 
 
 # ----------------------------------------------------------------------------------------------
-# The tiny model's parameter groups (the table in k3jax/optim.py)
+# The tiny model's parameter groups (the table in k3jax/optim/grouping.py)
 
 # (path, group, dimension numbers) -- scanned group layers carry a leading ``layers`` axis (0).
 EXPECTED_TINY = [
@@ -541,7 +543,7 @@ def test_qk_clip_matches_direct_formula():
     kv_b = r.standard_normal((L, rkv, H, nope + v)).astype(np.float32)
     logits = np.array([[50.0, 150.0, 400.0], [99.0, 100.0, 101.0]], np.float32)
     tau = 100.0
-    q_new, kv_new = optim.qk_clip_mla(jnp.asarray(q_b), jnp.asarray(kv_b), jnp.asarray(logits), tau,
+    q_new, kv_new = qk_clip.qk_clip_mla(jnp.asarray(q_b), jnp.asarray(kv_b), jnp.asarray(logits), tau,
                                       qk_nope_head_dim=nope)
     q_ref, kv_ref = q_b.copy(), kv_b.copy()
     for layer in range(L):
@@ -553,7 +555,7 @@ def test_qk_clip_matches_direct_formula():
     np.testing.assert_allclose(q_new, q_ref, rtol=1e-6)
     np.testing.assert_allclose(kv_new, kv_ref, rtol=1e-6)
     # The clipped head's max logit q.k scales by exactly gamma: nope part sqrt*sqrt, rope part gamma.
-    np.testing.assert_allclose(optim.qk_clip_gamma(jnp.asarray(logits), tau),
+    np.testing.assert_allclose(qk_clip.qk_clip_gamma(jnp.asarray(logits), tau),
                                np.minimum(1.0, tau / logits), rtol=1e-6)
 
 
@@ -563,14 +565,14 @@ def test_qk_clip_in_place_on_model():
     mla = model.prefix[3].mixer
     q0, kv0 = np.asarray(mla.q_b[...]), np.asarray(mla.kv_b[...])
     logits = jnp.asarray([10.0, 200.0, 50.0, 400.0])
-    optim.qk_clip(model, {3: logits}, tau=100.0)
-    q_ref, kv_ref = optim.qk_clip_mla(jnp.asarray(q0), jnp.asarray(kv0), logits, 100.0,
+    qk_clip.qk_clip(model, {3: logits}, tau=100.0)
+    q_ref, kv_ref = qk_clip.qk_clip_mla(jnp.asarray(q0), jnp.asarray(kv0), logits, 100.0,
                                       qk_nope_head_dim=cfg.mla.qk_nope_head_dim)
     np.testing.assert_allclose(mla.q_b[...], q_ref)
     np.testing.assert_allclose(mla.kv_b[...], kv_ref)
     np.testing.assert_array_equal(np.asarray(mla.q_b[...])[:, 0], q0[:, 0])  # head 0 below tau
     with pytest.raises(KeyError):
-        optim.qk_clip(model, {0: logits}, tau=100.0)  # a KDA layer
+        qk_clip.qk_clip(model, {0: logits}, tau=100.0)  # a KDA layer
 
 
 # A 4-layer tiny (MLA layers 1 and 3, layer 3 in the suffix) on one packed batch: QK-clip in the train step.
@@ -808,7 +810,7 @@ def test_layer_by_layer_muon_equals_the_batched_update():
     grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params) for _ in range(2)]
 
     def run(**kw):
-        tx = optim.scale_by_grouped_muon(lambda u: dns, **kw)
+        tx = muon.scale_by_grouped_muon(lambda u: dns, **kw)
         state, outs = tx.init(params), []
         for g in grads:  # two steps: the second uses the first's momentum
             upd, state = jax.jit(tx.update)(g, state)
@@ -822,7 +824,7 @@ def test_layer_by_layer_muon_equals_the_batched_update():
     # the per-layer path really ran: one layer loop per stacked leaf (the batched path maps only the
     # Newton-Schulz of the 4-D expert stack); both have the CPU's block-by-block Newton-Schulz loops
     def loops(**kw):
-        tx = optim.scale_by_grouped_muon(lambda u: dns, group_max_size=16, **kw)
+        tx = muon.scale_by_grouped_muon(lambda u: dns, group_max_size=16, **kw)
         return str(jax.make_jaxpr(tx.update)(grads[0], tx.init(params))).count("scan[")
 
     assert loops(stacked=stacked) == loops() + 1
@@ -835,7 +837,7 @@ def test_layer_by_layer_muon_writes_the_stacks_in_place():
     each step made XLA:CPU copy both stacks every step (2.25)."""
     x = jax.ShapeDtypeStruct((8, 4, 64, 128), jnp.float32)  # [layers, E, in, out]
     dn = optim.MDN(reduction_axis=(-2,), output_axis=(-1,))
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+    tx = muon.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
                                      expert_stacks=lambda u: {"w": True}, group_max_size=1 << 10)
     compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower({"w": x}, jax.eval_shape(tx.init, {"w": x})).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < x.size * 4
@@ -855,7 +857,7 @@ def test_layer_by_layer_muon_writes_the_stacks_in_place_on_tpu():
     x = jax.ShapeDtypeStruct((8, 24, 256, 512), jnp.float32, sharding=sharded)  # [layers, E, in, out]
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
     both = lambda u: {"w": True, "v": True}  # noqa: E731
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn, "v": dn}, stacked=both, expert_stacks=both,
+    tx = muon.scale_by_grouped_muon(lambda u: {"w": dn, "v": dn}, stacked=both, expert_stacks=both,
                                      mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, {"w": x, "v": x})
@@ -888,7 +890,7 @@ def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
     grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params) for _ in range(2)]
 
     def run(**kw):
-        tx = optim.scale_by_grouped_muon(lambda u: dns, group_max_size=16, **kw)
+        tx = muon.scale_by_grouped_muon(lambda u: dns, group_max_size=16, **kw)
         state, outs = tx.init(params), []
         for g in grads:
             upd, state = jax.jit(tx.update)(g, state)
@@ -917,7 +919,7 @@ def test_stacked_experts_are_orthogonalised_several_layers_at_a_time_on_tpu():
     sharded = NamedSharding(mesh, P(None, "expert", "fsdp", None))
     params = {"w": jax.ShapeDtypeStruct((layers, e, r, o), jnp.bfloat16, sharding=sharded)}
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+    tx = muon.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
                                      expert_stacks=lambda u: {"w": True}, group_max_size=1 << 16, mu_dtype=jnp.bfloat16)
     hlo = _compile_muon_update(tx, params, mesh, sharded).as_text()
     per_device = breakdown.breakdown(hlo).part_flops("newton_schulz")
@@ -970,7 +972,7 @@ def test_several_layers_per_step_keep_the_experts_split_on_tpu():
     sharded = NamedSharding(mesh, P(None, "expert", None, ("fsdp", "sequence")))
     x = jax.ShapeDtypeStruct((layers, e, r, o), jnp.float32, sharding=sharded)
     dn = optim.MDN(reduction_axis=(2,), output_axis=(3,))
-    tx = optim.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
+    tx = muon.scale_by_grouped_muon(lambda u: {"w": dn}, stacked=lambda u: {"w": True},
                                      expert_stacks=lambda u: {"w": True}, mu_dtype=jnp.bfloat16)
     with jax.set_mesh(mesh):
         assert newton_schulz.layers_per_step(x, dn) == 2

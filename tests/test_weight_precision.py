@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from k3jax import optim
+from k3jax.optim import precision
 from k3jax.config import ConfigError, OptimConfig, load_config
 
 
@@ -105,7 +106,7 @@ def test_stochastic_round_is_unbiased_and_picks_a_neighbour():
     standard errors); a bf16 value stays as it is."""
     x = jnp.asarray([1.0 + 2.0 ** -10, 1.0 + 3 * 2.0 ** -11, -3.0 - 2.0 ** -9 / 3, 1e-3 * (1 + 1 / 7), 7.0], jnp.float32)
     keys = jax.random.split(jax.random.key(0), 4000)
-    r = np.asarray(jax.vmap(lambda k: optim.stochastic_round(x, jnp.bfloat16, k))(keys), np.float64)
+    r = np.asarray(jax.vmap(lambda k: precision.stochastic_round(x, jnp.bfloat16, k))(keys), np.float64)
     lo = np.asarray(jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32), np.float64)
     spacing = np.asarray([np.abs(float(jnp.nextafter(jnp.bfloat16(v), jnp.bfloat16(np.sign(v) * np.inf))) - v)
@@ -126,7 +127,7 @@ def test_stochastic_weight_rounding_moves_weights_that_nearest_leaves():
     w = jnp.full((64,), 1.0, jnp.bfloat16)
     u = jnp.full((64,), 2.0 ** -7 / 10, jnp.float32)  # a tenth of the spacing above 1 (2^-7)
     assert np.all(np.asarray(optax.apply_updates(w, u)) == 1.0)
-    tx = optim.stochastic_weight_rounding(seed=0)
+    tx = precision.stochastic_weight_rounding(seed=0)
     state = tx.init(w)
     news = []
     for _ in range(50):  # consecutive steps draw new bits

@@ -12,7 +12,7 @@ from k3jax.config.model_config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Per-head Muon for matrices + AdamW for the rest (the table in k3jax/optim.py), schedule and clipping."""
+    """Per-head Muon for matrices + AdamW for the rest (the table in k3jax/optim/grouping.py), schedule and clipping."""
 
     # muon: the above. adamw: AdamW for every parameter (the usual baseline, and what HF's trainer runs),
     # the matrices keeping their weight decay, at adam_learning_rate; Muon's own settings below
@@ -33,7 +33,7 @@ class OptimConfig:
     # Weights held below float32 (model.param_dtype=bfloat16, MaxText's weight_dtype): the optimizer's
     # statistics and updates stay float32 and each step's float32 sum w + u is rounded to the weights' dtype,
     # to the nearest value or stochastically (unbiased: updates below half a bf16 spacing still move the
-    # weight on average; k3jax/optim.py stochastic_weight_rounding)
+    # weight on average; k3jax/optim/precision.py stochastic_weight_rounding)
     weight_rounding: Literal["nearest", "stochastic"] = "nearest"
     adam_b1: float = 0.9
     adam_b2: float = 0.95
@@ -41,7 +41,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # global norm; 0 disables
     per_head_muon: bool = True  # False: whole-matrix Muon (ablation)
     # K2's MuonClip: after each update, MLA heads whose max pre-softmax logit in the step exceeded tau
-    # are rescaled to tau (k3jax/optim.py qk_clip; K2 used 100); 0 disables
+    # are rescaled to tau (k3jax/optim/qk_clip.py; K2 used 100); 0 disables
     qk_clip_tau: float = 0.0
 
     def validate(self, prefix: str = "train.optim") -> None:
@@ -148,7 +148,7 @@ class TrainConfig:
     # their micro-batch accumulator: float32, or bfloat16 (with model.dtype=bfloat16), which halves the
     # largest temporaries of a large step at bf16's 8-bit mantissa; the master weights stay in param_dtype.
     # The Muon updates of layer-stacked weights are written back into their gradients' buffers, so with
-    # bfloat16 they are rounded to bf16 too (optim._in_place_over_layers).
+    # bfloat16 they are rounded to bf16 too (k3jax/optim/muon.py).
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
     seq_len: int = 128
     seed: int = 0
