@@ -268,7 +268,7 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
         saved = from_dict(mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
     except Exception as e:  # noqa: BLE001 - any read failure means the same thing to the user
         raise CheckpointError(f"cannot read the config of checkpoint {where} ({_summary(e)}). {hint}") from e
-    mismatch = _config_mismatch(config, saved)
+    mismatch = config_mismatch(config, saved)
     if mismatch:
         raise CheckpointError(f"checkpoint {where} was written by a different run: {mismatch}. Resume with the "
                               f"same config, or start over with --fresh or another run_dir.")
@@ -285,7 +285,9 @@ def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state
     return step
 
 
-def _config_mismatch(current: Config, saved: Config) -> str:
+def config_mismatch(current: Config, saved: Config) -> str:
+    """The fields (dotted paths, with both values) in which ``current`` differs from the config a checkpoint
+    was saved with, runtime fields aside (a run may resume with others); ``""`` when a resume may proceed."""
     return _diff(without_runtime_fields(current), without_runtime_fields(saved), prefix="")
 
 

@@ -56,7 +56,7 @@ def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), lor
 
     model = _with_lora(from_hf(src, dtype=jnp.dtype(dtype), overrides=overrides, progress=progress), lora)
     model.merge_lora()
-    config = Config(name=pathlib.PurePosixPath(str(src).rstrip("/")).name, model=model.cfg)
+    config = Config.of_model(model.cfg, pathlib.PurePosixPath(str(src).rstrip("/")).name)
     save_model(dst, model, config)
 
 

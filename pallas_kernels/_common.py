@@ -1,11 +1,10 @@
-"""Shared helpers: backend / interpret resolution and small utilities for the Pallas kernels."""
+"""Small shared pieces of the Pallas kernels: output structs, manual-axis typing, compiler parameters,
+matmul precision (the backend / interpret rule is ``pallas_kernels.platform.resolve_backend``)."""
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
-
-from pallas_kernels.platform import ACCELERATORS, target_platform
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -31,29 +30,6 @@ def _varying_axes(x) -> set:
     t = jax.typeof(x)
     mat = getattr(t, "mat", None)  # jax 0.10: ManualAxisType(varying=...); later releases: .vma
     return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
-
-
-def resolve(interpret, backend):
-    """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
-
-    backend: ``"tpu"`` (Mosaic TPU), ``"gpu"`` (Triton) or None (the target platform's; on CPU the TPU
-    kernel is interpreted). interpret: None = interpret when the target platform (``pallas_kernels.platform.target_platform``)
-    is neither a TPU nor a GPU; True = the generic Pallas interpreter; a ``pltpu.InterpretParams`` is
-    passed through (TPU-semantics interpreter: simulated VMEM/DMA, NaN-filled scratch).
-
-    The platform must be known at trace time. ``jax.export(..., platforms=["cuda"])`` on a CPU host traces
-    before it names the platform, so ``target_platform()`` is ``"cpu"`` there: pass ``backend="gpu",
-    interpret=False``, or trace under a GPU mesh (``jax.sharding.use_abstract_mesh`` with an
-    ``AbstractDevice(..., platform="cuda")``), as the TPU AOT path does with a topology mesh.
-    """
-    platform = target_platform()
-    if backend is None:
-        backend = "gpu" if platform == "gpu" else "tpu"
-    if backend not in ("tpu", "gpu"):
-        raise ValueError(f"backend must be 'tpu', 'gpu' or None, got {backend!r}")
-    if interpret is None:
-        interpret = platform not in ACCELERATORS
-    return interpret, backend
 
 
 def compiler_params(backend, dimension_semantics):

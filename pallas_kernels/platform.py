@@ -31,4 +31,27 @@ def target_platform(mesh=None) -> str:
     return platform_kind(jax.default_backend())
 
 
-__all__ = ["ACCELERATORS", "GPU_PLATFORMS", "platform_kind", "target_platform"]
+def resolve_backend(interpret, backend):
+    """Return ``(interpret_arg, backend)`` for ``pl.pallas_call``.
+
+    backend: ``"tpu"`` (Mosaic TPU), ``"gpu"`` (Triton) or None (the target platform's; on CPU the TPU
+    kernel is interpreted). interpret: None = interpret when the target platform (``pallas_kernels.platform.target_platform``)
+    is neither a TPU nor a GPU; True = the generic Pallas interpreter; a ``pltpu.InterpretParams`` is
+    passed through (TPU-semantics interpreter: simulated VMEM/DMA, NaN-filled scratch).
+
+    The platform must be known at trace time. ``jax.export(..., platforms=["cuda"])`` on a CPU host traces
+    before it names the platform, so ``target_platform()`` is ``"cpu"`` there: pass ``backend="gpu",
+    interpret=False``, or trace under a GPU mesh (``jax.sharding.use_abstract_mesh`` with an
+    ``AbstractDevice(..., platform="cuda")``), as the TPU AOT path does with a topology mesh.
+    """
+    platform = target_platform()
+    if backend is None:
+        backend = "gpu" if platform == "gpu" else "tpu"
+    if backend not in ("tpu", "gpu"):
+        raise ValueError(f"backend must be 'tpu', 'gpu' or None, got {backend!r}")
+    if interpret is None:
+        interpret = platform not in ACCELERATORS
+    return interpret, backend
+
+
+__all__ = ["ACCELERATORS", "GPU_PLATFORMS", "platform_kind", "resolve_backend", "target_platform"]

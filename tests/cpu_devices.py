@@ -1,8 +1,10 @@
-"""Fresh Python processes for tests: the environment they run in, and a script on ``n`` fake CPU devices
+"""Fresh Python processes for tests: the environment they run in, a free port for them, and a script on
+``n`` fake CPU devices
 (the device count must be set before JAX starts, and the rest of the suite runs on one device)."""
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +21,13 @@ RELATIVE_ERROR = textwrap.dedent("""
         pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
         return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)) for x, y in pairs)
 """)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child's server or JAX coordinator to bind)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def xla_flags(*flags: str) -> str:

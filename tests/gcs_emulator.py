@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
+
+from cpu_devices import free_port
 
 BUCKET = "bkt"
 LOCK_OBJECT = "/train.lock"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _with_generation_header(download):
@@ -76,7 +73,7 @@ def gcs_emulator():
     routes = [methods for _, methods in emulator.HANDLERS if methods.get(emulator.GET) is saved[2]]
     for methods in routes:
         methods[emulator.GET] = objects.download
-    port = _free_port()
+    port = free_port()
     server = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
     url = f"http://127.0.0.1:{port}"

@@ -69,7 +69,7 @@ K2_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>"
 K3_SPECIALS = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"]
 
 
-def _tiktoken_tokenizer(path, specials, template=None) -> Tokenizer:
+def tiktoken_tokenizer(path, specials, template=None) -> Tokenizer:
     """A byte-level tiktoken BPE (a few merges) with the given special tokens (release file layout)."""
     ranks = {bytes([i]): i for i in range(256)}
     for m in (b"th", b"the", b"in", b"er", b" t", b" the"):
@@ -87,9 +87,9 @@ def _tiktoken_tokenizer(path, specials, template=None) -> Tokenizer:
 @pytest.fixture(params=["xtml", "jinja", "transcript"])
 def tokenizer(request, tmp_path):
     if request.param == "xtml":
-        return _tiktoken_tokenizer(tmp_path, K3_SPECIALS)
+        return tiktoken_tokenizer(tmp_path, K3_SPECIALS)
     if request.param == "jinja":
-        return _tiktoken_tokenizer(tmp_path, K2_SPECIALS, K2_TEMPLATE)
+        return tiktoken_tokenizer(tmp_path, K2_SPECIALS, K2_TEMPLATE)
     return ByteTokenizer()
 
 
@@ -313,7 +313,7 @@ def test_parquet_and_arrayrecord_records(tmp_path):
 
 
 def test_template_turns_that_cannot_be_located_are_reported(tmp_path):
-    tok = _tiktoken_tokenizer(tmp_path, K2_SPECIALS, K2_TEMPLATE)
+    tok = tiktoken_tokenizer(tmp_path, K2_SPECIALS, K2_TEMPLATE)
     named = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "name": "bot", "content": "a"}]}
     with pytest.raises(ValueError, match="here: the chat template renders 0 assistant header"):
         render_conversation(tok, parse_conversation(named, "here"))

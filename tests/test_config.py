@@ -262,8 +262,8 @@ def test_runtime_fields_are_marked_on_the_fields():
     from k3jax.interop.hf_config import runtime_fields_equal
 
     assert checkpoint.RESUMABLE_TRAIN_FIELDS == runtime_fields(TrainConfig)
-    assert checkpoint._config_mismatch(same, base) == ""  # a run may resume with other runtime fields
-    assert "model.kda.conv_size" in checkpoint._config_mismatch(load_config("tiny", ["model.kda.conv_size=2"]), base)
+    assert checkpoint.config_mismatch(same, base) == ""  # a run may resume with other runtime fields
+    assert "model.kda.conv_size" in checkpoint.config_mismatch(load_config("tiny", ["model.kda.conv_size=2"]), base)
     assert runtime_fields_equal(same.model, base.model)
 
 
@@ -307,3 +307,18 @@ def test_from_dict_validates():
     d["model"]["moe"]["top_k"] = 100
     with pytest.raises(ConfigError, match=r"^model\.moe\.top_k:"):
         from_dict(d)
+
+
+@pytest.mark.parametrize("max_seq_len", [64, 4096])
+def test_the_run_config_of_a_loaded_model_fits_its_context(max_seq_len):
+    """A HF checkpoint whose max_position_embeddings is under the default row length loads, converts and
+    serves: its run config's rows are cut to the model's context (a plain Config(model=...) fails validation
+    and so its saved checkpoint could not be restored)."""
+    model = dataclasses.replace(load_config("tiny").model, max_seq_len=max_seq_len)
+    cfg = Config.of_model(model, "loaded")
+    cfg.validate()
+    assert cfg.name == "loaded" and cfg.model == model
+    assert cfg.train.seq_len == min(max_seq_len, Config().train.seq_len)
+    if max_seq_len < Config().train.seq_len:
+        with pytest.raises(ConfigError, match=r"^train\.seq_len:"):
+            Config(model=model).validate()

@@ -54,7 +54,7 @@ def numpy_kda(q, k, v, g, beta, scale=None, h0=None, segment_ids=None):
     return o, S
 
 
-def _load_fla_naive():
+def load_fla_naive():
     torch = pytest.importorskip("torch")
     pytest.importorskip("einops")
     spec = importlib.util.find_spec("fla")
@@ -72,7 +72,7 @@ def _load_fla_naive():
 
 @pytest.fixture(scope="module")
 def fla():
-    return _load_fla_naive()
+    return load_fla_naive()
 
 
 def fla_run(fla, fn, q, k, v, g, beta, h0=None, **kw):
@@ -352,7 +352,7 @@ def test_chunk_scores_match_pairwise_decays(C, gate_scale):
         assert rel_err(a, numpy_scores(xx, k, g)) < 1e-6
     if C >= kda_chunk.SUBTILE:  # on a bounded gate both paths apply and agree
         g_b = -rng.uniform(0, 2.0, g.shape).astype(np.float32)
-        dense, exact = (jax.jit(kda_chunk._scores_static, static_argnums=3)((x,), k, g_b, d)[0] for d in (True, False))
+        dense, exact = (jax.jit(kda_chunk.chunk_scores_on_path, static_argnums=3)((x,), k, g_b, d)[0] for d in (True, False))
         assert rel_err(dense, exact) < 1e-6 and rel_err(exact, numpy_scores(x, k, g_b)) < 1e-6
 
 

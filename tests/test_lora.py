@@ -302,26 +302,26 @@ def test_trained_adapter_loads_in_peft(family, request, tmp_path, tokens):  # no
 def test_lora_run_resumes_bit_exact_and_converts(tmp_path):
     """A LoRA run from ``train.init_from`` stopped by Ctrl-C and resumed logs the uninterrupted run's losses
     bit for bit; its checkpoints hold the adapters and name the base; convert merges and exports them."""
-    from test_train import SMALL, STEPS, _env, _logged_steps, _train_cmd
+    from test_train import SMALL, STEPS, train_env, logged_steps, train_cmd
 
     from k3jax.run_log import read_metrics
 
     base_cfg = load_config("tiny", SMALL)
     checkpoint.save_model(tmp_path / "base" / "checkpoints", create_model(base_cfg.model, seed=4), base_cfg, step=7)
     lora_args = ["train.lora.rank=4", "train.lora.dropout=0.1", f"train.init_from={tmp_path / 'base'}"]
-    env = _env(tmp_path / "jax_cache")
+    env = train_env(tmp_path / "jax_cache")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    subprocess.run(_train_cmd(straight, *lora_args), env=env, check=True, capture_output=True, timeout=900)
-    proc = subprocess.Popen(_train_cmd(stopped, *lora_args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    subprocess.run(train_cmd(straight, *lora_args), env=env, check=True, capture_output=True, timeout=900)
+    proc = subprocess.Popen(train_cmd(stopped, *lora_args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 900
-    while _logged_steps(stopped) < 5 and proc.poll() is None and time.time() < deadline:
+    while logged_steps(stopped) < 5 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=600)[0].decode()
     assert proc.returncode == 130, output
-    stop_step = _logged_steps(stopped)
+    stop_step = logged_steps(stopped)
     assert 5 <= stop_step < STEPS, output
-    subprocess.run(_train_cmd(stopped, *lora_args), env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(train_cmd(stopped, *lora_args), env=env, check=True, capture_output=True, timeout=900)
     want, got = read_metrics(straight), read_metrics(stopped)
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(want, got):

@@ -23,7 +23,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from cpu_devices import subprocess_env, xla_flags
+from cpu_devices import free_port, subprocess_env, xla_flags
 from k3jax.serving.engine import SamplingParams, Sequence
 from k3jax.serving.schedule import (CANCEL_REASONS, FAILED_EXIT_CODE, LocalScheduler, Schedule, decode, encode,
                                     mirror_sequence, payload_size)
@@ -37,10 +37,6 @@ PROMPTS = ["And God said, let there be light", "And God said, let there be dark"
 STARTUP_S, EXIT_BOUND_S = 300, 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 # --- the wire format ----------------------------------------------------------------------------------
@@ -162,7 +158,7 @@ def test_an_engine_replaying_the_schedule_makes_the_same_tokens():
 # --- two processes ------------------------------------------------------------------------------------
 
 def _start(ckpt: pathlib.Path, logs: pathlib.Path, port: int) -> list[subprocess.Popen]:
-    coordinator = _free_port()
+    coordinator = free_port()
     procs = []
     for rank in range(2):
         env = subprocess_env(XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
@@ -201,7 +197,7 @@ def _two_process_server(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     to_hf(create_model(load_config("tiny", MODEL).model), ckpt)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     procs = _start(ckpt, tmp_path, port)
     try:

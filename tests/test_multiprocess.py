@@ -11,21 +11,17 @@ import textwrap
 
 import pytest
 
-from cpu_devices import subprocess_env, xla_flags
+from cpu_devices import free_port, subprocess_env, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARGS = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32",
         "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2", "mesh.data=2", "mesh.fsdp=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _two_processes(run_dir, steps: int, sample_tokens: int = 0) -> list[str]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = subprocess_env(XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),

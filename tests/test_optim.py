@@ -319,9 +319,9 @@ def test_adamw_only_optimizer_gives_every_parameter_adams_first_step():
                    for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, muon.GroupedMuonState)))
     # The default differs exactly on the Muon group (same settings otherwise).
     muon_tx = optim.make_optimizer(dataclasses.replace(cfg, optimizer="muon"), model, total_steps=10)
-    muon, _ = jax.jit(muon_tx.update)(grads, muon_tx.init(params), params)
+    muon_updates, _ = jax.jit(muon_tx.update)(grads, muon_tx.init(params), params)
     for name in grads:
-        same = np.allclose(muon[name], updates[name], rtol=1e-5, atol=1e-7)
+        same = np.allclose(muon_updates[name], updates[name], rtol=1e-5, atol=1e-7)
         assert same == (name in ("embed", "norm_weight")), name
 
 

@@ -195,9 +195,9 @@ def fla_naive_by_document(torch, naive, inputs, segment_ids):
 
 @pytest.fixture(scope="module")
 def fla_naive():
-    from test_kda import _load_fla_naive
+    from test_kda import load_fla_naive
 
-    return _load_fla_naive()
+    return load_fla_naive()
 
 
 @pytest.mark.parametrize("dtype,segments", [(F32, False), (F32, True),

@@ -7,8 +7,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from k3jax import kernels
 from k3jax.parallel.expert import resolve_dispatch
-from pallas_kernels._common import resolve
-from pallas_kernels.platform import ACCELERATORS, GPU_PLATFORMS, platform_kind, target_platform
+from pallas_kernels.platform import ACCELERATORS, GPU_PLATFORMS, platform_kind, resolve_backend, target_platform
 
 
 def mesh_of(platform: str) -> AbstractMesh:
@@ -23,7 +22,7 @@ def test_every_gpu_spelling_is_one_platform(platform):
     # a GPU mesh, whatever its spelling: the ragged exchange, the Triton backend compiled, ragged_dot experts
     assert resolve_dispatch("auto", mesh) == "ragged_all_to_all"
     with jax.sharding.use_abstract_mesh(mesh):
-        assert resolve(None, None) == (False, "gpu")
+        assert resolve_backend(None, None) == (False, "gpu")
     assert kernels.resolve_moe_impl("auto", target_platform(mesh)) == kernels.AUTO_MOE["gpu"]
 
 
@@ -33,8 +32,8 @@ def test_tpu_and_cpu_platforms():
     assert resolve_dispatch("auto", mesh_of("tpu")) == "ragged_all_to_all"
     assert resolve_dispatch("auto", mesh_of("cpu")) == "all_gather"
     with jax.sharding.use_abstract_mesh(mesh_of("tpu")):
-        assert resolve(None, None) == (False, "tpu")
+        assert resolve_backend(None, None) == (False, "tpu")
     with jax.sharding.use_abstract_mesh(mesh_of("cpu")):
-        assert resolve(None, None) == (True, "tpu")  # the TPU kernel, interpreted
+        assert resolve_backend(None, None) == (True, "tpu")  # the TPU kernel, interpreted
     # no mesh: the default backend (the suite runs on the CPU)
     assert target_platform() == platform_kind(jax.default_backend()) == "cpu"

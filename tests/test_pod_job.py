@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from cpu_devices import subprocess_env, xla_flags
+from cpu_devices import free_port, subprocess_env, xla_flags
+from test_train import logged_steps
 from k3jax import checkpoint
 from k3jax.config import load_config
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
@@ -266,16 +267,10 @@ def test_a_run_counts_skipped_records_in_its_metrics_or_stops(tmp_path, capsys):
 
 # --- SIGTERM ------------------------------------------------------------------------------------------
 
-def _logged_steps(run_dir) -> int:
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()), default=0)
-
 
 def _sigterm_when(proc, run_dir, step: int, in_flight_save: bool = False) -> str:
     deadline = time.time() + 900
-    while _logged_steps(run_dir) < step and proc.poll() is None and time.time() < deadline:
+    while logged_steps(run_dir) < step and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     if in_flight_save:  # the step's checkpoint is still being written (orbax's temporary directory)
         tmp = pathlib.Path(run_dir) / "checkpoints"
@@ -302,14 +297,14 @@ def test_sigterm_during_a_step_and_during_an_async_save_then_resume(tmp_path):
     proc = subprocess.Popen(cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = _sigterm_when(proc, run, 4, in_flight_save=True)
     assert proc.returncode == 143, out
-    first = _logged_steps(run)
+    first = logged_steps(run)
     assert 4 <= first < steps and f"SIGTERM: stopped at step {first}" in out, out
     assert checkpoint.latest_step(run / "checkpoints") == first  # saved at the next step boundary
     # 2. during a step of the resumed run
     proc = subprocess.Popen(cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = _sigterm_when(proc, run, first + 2)
     assert proc.returncode == 143 and f"resumed from {run / 'checkpoints'} at step {first}" in out, out
-    second = _logged_steps(run)
+    second = logged_steps(run)
     assert first < second < steps and checkpoint.latest_step(run / "checkpoints") == second, out
     # 3. the same command finishes; every loss is the uninterrupted run's
     subprocess.run(cmd(run), env=env, check=True, capture_output=True, timeout=900)
@@ -318,12 +313,12 @@ def test_sigterm_during_a_step_and_during_an_async_save_then_resume(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
-    from test_multiprocess import ARGS, _free_port
+    from test_multiprocess import ARGS
 
     run = tmp_path / "run"
 
     def start(steps):
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         for rank in range(2):
             env = subprocess_env(XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
                                  JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
@@ -335,12 +330,12 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
 
     procs = start(8)
     deadline = time.time() + 900
-    while _logged_steps(run) < 2 and all(p.poll() is None for p in procs) and time.time() < deadline:
+    while logged_steps(run) < 2 and all(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.02)
     procs[1].send_signal(signal.SIGTERM)  # one host preempted: both must stop at the same step
     outs = [p.communicate(timeout=600)[0].decode() for p in procs]
     assert [p.returncode for p in procs] == [143, 143], outs[0][-3000:] + outs[1][-3000:]
-    stopped = _logged_steps(run)
+    stopped = logged_steps(run)
     assert 2 <= stopped < 8 and checkpoint.manager(run / "checkpoints").all_steps() == [stopped]
     procs = start(8)
     outs = [p.communicate(timeout=900)[0].decode() for p in procs]

@@ -25,7 +25,8 @@ import pytest
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.api import create_app
 from k3jax.serving.metrics import Metrics
-from test_serving import client, free_port, post, running_server, wait_until_serving
+from cpu_devices import free_port
+from test_serving import client, post, running_server, wait_until_serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEP_S = 0.02

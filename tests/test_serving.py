@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_devices import subprocess_env, xla_flags
+from cpu_devices import free_port, subprocess_env, xla_flags
 from k3jax import create_model, generate, load_config
 from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.tokenizer import ByteTokenizer
@@ -45,14 +45,7 @@ MAX_LEN, MAX_BATCH, CHUNK = 48, 4, 8
 REF_T, REF_NEW = 32, 16  # the reference's padded prompt width and tokens: one compile for all prompts
 
 
-# --- a server on a free port ---------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a server subprocess to bind)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+# --- a server in a thread or a subprocess ---------------------------------------------------------------------------
 
 
 def wait_until_serving(proc: subprocess.Popen, url: str, *, timeout_s: float, poll_s: float = 0.5) -> None:
@@ -298,7 +291,7 @@ def slow_steps(engine: Engine, monkeypatch):
     """20 ms more per decode step (every program)."""
     def slowed(step):
         return lambda *args: (time.sleep(0.02), step(*args))[1]
-    monkeypatch.setattr(engine, "_decode_fn", {rows: slowed(step) for rows, step in engine._decode_fn.items()})
+    monkeypatch.setattr(engine, "decode_programs", {rows: slowed(step) for rows, step in engine.decode_programs.items()})
 
 
 def test_concurrent_greedy_requests_equal_generate_alone(served):

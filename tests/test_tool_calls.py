@@ -18,7 +18,7 @@ from k3jax.data.chat import END_OF_TURN
 from k3jax.serving.assistant_reply import K2ReplyStream, ReplyStream, parse_reply
 from k3jax.serving.metrics import Metrics
 from k3jax.tokenizer import CLOSE, OPEN, SEP, ByteTokenizer, Tokenizer
-from test_chat_data import K2_SPECIALS, K2_TEMPLATE, _tiktoken_tokenizer
+from test_chat_data import K2_SPECIALS, K2_TEMPLATE, tiktoken_tokenizer
 from test_serving import client, post, running_server
 from test_tokenizer import write_tokenizer
 
@@ -100,7 +100,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served_k2(tmp_path_factory):
-    tokenizer = _tiktoken_tokenizer(tmp_path_factory.mktemp("k2tok"), K2_SPECIALS, K2_TEMPLATE)
+    tokenizer = tiktoken_tokenizer(tmp_path_factory.mktemp("k2tok"), K2_SPECIALS, K2_TEMPLATE)
     engine, server = scripted_server(tokenizer)
     with server as url:
         yield url, engine, tokenizer

@@ -27,17 +27,17 @@ SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32"
 STEPS = 12
 
 
-def _train_cmd(run_dir, *extra):
+def train_cmd(run_dir, *extra):
     return [sys.executable, str(ROOT / "train.py"), "--sample-tokens", "0", *SMALL, f"train.steps={STEPS}",
             f"run_dir={run_dir}", *extra]
 
 
-def _env(cache_dir):
+def train_env(cache_dir):
     # One compile for the three processes: the persistent cache serves the later ones.
     return subprocess_env(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
-def _logged_steps(run_dir) -> int:
+def logged_steps(run_dir) -> int:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return 0
@@ -46,22 +46,22 @@ def _logged_steps(run_dir) -> int:
 
 @pytest.mark.slow
 def test_ctrl_c_then_resume_reproduces_every_loss(tmp_path):
-    env = _env(tmp_path / "jax_cache")
+    env = train_env(tmp_path / "jax_cache")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    subprocess.run(_train_cmd(straight), env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(train_cmd(straight), env=env, check=True, capture_output=True, timeout=900)
 
-    proc = subprocess.Popen(_train_cmd(stopped), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(train_cmd(stopped), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 900
-    while _logged_steps(stopped) < 5 and proc.poll() is None and time.time() < deadline:
+    while logged_steps(stopped) < 5 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=600)[0].decode()
     assert proc.returncode == 130, output
-    stop_step = _logged_steps(stopped)
+    stop_step = logged_steps(stopped)
     assert 5 <= stop_step < STEPS, output
     assert stop_step in checkpoint.manager(stopped / "checkpoints").all_steps(), "Ctrl-C did not save"
 
-    resumed = subprocess.run(_train_cmd(stopped), env=env, check=True, capture_output=True, timeout=900)
+    resumed = subprocess.run(train_cmd(stopped), env=env, check=True, capture_output=True, timeout=900)
     assert f"resumed from {stopped / 'checkpoints'} at step {stop_step}" in (resumed.stdout + resumed.stderr).decode()
 
     want, got = read_metrics(straight), read_metrics(stopped)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cpu_devices import xla_flags
-from test_train import SMALL, _env
+from test_train import SMALL, train_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -37,7 +37,7 @@ def _losses(run_dir) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_resume_on_another_mesh_continues_the_run(tmp_path):
-    env = _env(tmp_path / "cache")
+    env = train_env(tmp_path / "cache")
     straight = tmp_path / "straight"
     _train(straight, env)
 
@@ -105,7 +105,7 @@ INIT_ON_TWO_MESHES = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_same_seed_same_initial_state_on_one_and_eight_devices(tmp_path):
-    env = dict(_env(tmp_path / "cache"), XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
+    env = dict(train_env(tmp_path / "cache"), XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     proc = subprocess.run([sys.executable, "-c", INIT_ON_TWO_MESHES, *SMALL, "train.batch_size=8"], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

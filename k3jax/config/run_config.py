@@ -211,6 +211,13 @@ class Config:
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = runtime(MeshConfig())  # a run may resume on another mesh: orbax reshards on restore
 
+    @classmethod
+    def of_model(cls, model: ModelConfig, name: str = "custom") -> "Config":
+        """The run config of a model loaded from elsewhere (a HF checkpoint): default training settings,
+        the row length cut to the model's context (``max_position_embeddings`` may be under the default)."""
+        return cls(name=name, model=model,
+                   train=TrainConfig(seq_len=min(TrainConfig.seq_len, model.max_seq_len)))
+
     def validate(self) -> None:
         self.model.validate("model")
         self.train.validate("train")

@@ -224,7 +224,7 @@ def dense_ok(g):
     return jax.lax.stop_gradient(ChunkGates.from_gate(g).min_subtile_sum >= DENSE_MIN_SUM)
 
 
-def _scores_static(xs, k, g, dense):
+def chunk_scores_on_path(xs, k, g, dense):
     """``chunk_scores`` with the path fixed by the Python bool ``dense``."""
     C, K = k.shape[-2:]
     BC = min(SUBTILE, C)
@@ -255,13 +255,13 @@ def _scores(xs, k, g):
 
 def _scores_fwd(xs, k, g):
     dense = dense_ok(g)
-    A = jax.lax.cond(dense, lambda *a: _scores_static(*a, True), lambda *a: _scores_static(*a, False), xs, k, g)
+    A = jax.lax.cond(dense, lambda *a: chunk_scores_on_path(*a, True), lambda *a: chunk_scores_on_path(*a, False), xs, k, g)
     return A, (xs, k, g, dense)
 
 
 def _scores_bwd(res, dA):
     xs, k, g, dense = res
-    vjp = lambda d: lambda xs, k, g, dA: jax.vjp(lambda *a: _scores_static(*a, d), xs, k, g)[1](dA)
+    vjp = lambda d: lambda xs, k, g, dA: jax.vjp(lambda *a: chunk_scores_on_path(*a, d), xs, k, g)[1](dA)
     return jax.lax.cond(dense, vjp(True), vjp(False), xs, k, g, dA)
 
 

@@ -289,7 +289,7 @@ class Engine:
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         # decode programs by row count: 1, 2, 4, ... and the whole pool
-        self._decode_fn = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, pool_sh),
+        self.decode_programs = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, pool_sh),
                                   donate_argnums=(1, 2, 3))
                            for r in sorted({min(2**i, b) for i in range(b.bit_length() + 1)})}
         zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
@@ -330,7 +330,7 @@ class Engine:
                 self._pool, self._logits, self._keys = self._insert_fn(
                     self._pool, self._logits, self._keys, np.int32(0), cache, np.int32(0), last, np.uint32(0))
             self._realign(0)
-            for rows in self._decode_fn:
+            for rows in self.decode_programs:
                 self._decode(rows, np.arange(self.max_batch) < rows)
             jax.block_until_ready(self._pool)
             self._reset()
@@ -636,7 +636,7 @@ class Engine:
         if self._length >= self.max_len:  # out of slots: move every row back to the start
             self._realign(int(self._filled[active].max()) - self._length)
         last = int(np.flatnonzero(active)[-1])
-        tokens, scored = self._decode(min(r for r in self._decode_fn if r > last), active)
+        tokens, scored = self._decode(min(r for r in self.decode_programs if r > last), active)
         self._filled[active] += 1
         self._queued[active] += 1
         self._inflight.append((tokens, scored, rows))
@@ -645,7 +645,7 @@ class Engine:
     def _decode(self, rows: int, active: np.ndarray):
         """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens and
         their log-probabilities (token_logprobs' arrays)."""
-        tokens, scored, self._logits, self._keys, self._pool = self._decode_fn[rows](
+        tokens, scored, self._logits, self._keys, self._pool = self.decode_programs[rows](
             self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active, self._wants)
         self._length += 1
         return tokens, scored

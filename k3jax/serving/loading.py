@@ -64,7 +64,7 @@ def load_model(path: str | pathlib.Path, *, step: int | None = None, config: Con
         _, info = load_hf_config(ckpt)
         model = from_hf(ckpt, dtype=checkpoint_dtype(ckpt) if dtype == "auto" else dtype,
                         keep_quantized=compressed_experts(info), mesh=mesh)
-        cfg = Config(name=ckpt.name, model=model.cfg)
+        cfg = Config.of_model(model.cfg, ckpt.name)
     if lora is not None:
         checkpoint.restore_adapters(model, lora, mesh=mesh)
     model.merge_lora()  # decoding reads the merged weights: no low-rank matmuls per step

@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref_kda
-from pallas_kernels._common import compiler_params, resolve
+from pallas_kernels._common import compiler_params
+from pallas_kernels.platform import resolve_backend
 from pallas_kernels.kda import _math
 from pallas_kernels.kda._paths import BC, DENSE_MIN_GS, G_FLOOR, select_path
 from pallas_kernels.kda._reference_backward import with_reference_backward
@@ -336,7 +337,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                  segment_ids=segment_ids)
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % BC:
         raise ValueError(f"chunk_size must be a positive multiple of {BC}, got {chunk_size!r}")
-    interpret, backend = resolve(interpret, backend)
+    interpret, backend = resolve_backend(interpret, backend)
     if backward not in ("pallas", "xla"):
         raise ValueError(f"backward must be 'pallas' or 'xla', got {backward!r}")
     io = [x.dtype for x in (q, k, v)]

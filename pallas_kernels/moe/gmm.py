@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import HIGHEST, match_varying, out_struct, resolve
+from pallas_kernels._common import HIGHEST, match_varying, out_struct
+from pallas_kernels.platform import resolve_backend
 from pallas_kernels.moe import gmm_gpu
 
 F32 = jnp.float32
@@ -84,7 +85,7 @@ def _dot(a, b, dims):
 
 
 def _resolve(interpret, backend):
-    return resolve(interpret, backend)
+    return resolve_backend(interpret, backend)
 
 
 def _tiling(tiling, backend):
