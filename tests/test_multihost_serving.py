@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time

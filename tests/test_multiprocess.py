@@ -4,7 +4,6 @@ processes, checkpoints written by both, a resume, and the checkpoint read back b
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap

@@ -874,17 +874,23 @@ def test_layers_per_step_pads_least():
     # K2 on v5p-512: 6 experts per group of 4 devices, 60 layers -> 2 (90 blocks, not 120)
     assert newton_schulz.best_layers_per_step(60, 6, 4) == 2
     assert newton_schulz.best_layers_per_step(8, 4, 4) == 1  # no padding at one layer: the smallest wins the tie
-    # a prime layer count: all of them at once would be 92 blocks per device per step, over the cap
-    assert newton_schulz.best_layers_per_step(61, 6, 4) == 1
+    # full K3 on v5p-1024: 14 experts per group of 8 devices; no divisor of 22 pads less than one layer at a
+    # time (44 blocks per device for 38.5): 4 layers per step and a last step of 2, 5 x 7 + 4 = 39
+    assert newton_schulz.best_layers_per_step(22, 14, 8) == 4
+    # a prime layer count: 2 layers per step and a last one, 30 x 3 + 2 = 92 blocks (one at a time: 122)
+    assert newton_schulz.best_layers_per_step(61, 6, 4) == 2
+    # all 61 at once, also 92 blocks, is a divisor (no last step): it wins the tie
     assert newton_schulz.best_layers_per_step(61, 6, 4, max_blocks_per_step=100) == 61
 
 
-def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
+@pytest.mark.parametrize("layers,per_step", [(4, 2), (5, 2), (5, 3)])
+def test_several_layers_per_step_equal_the_batched_update(monkeypatch, layers, per_step):
     """Stacked experts updated several layers at a time (blocks regrouped expert-major and merged into one
-    batch, then back): the same updates and momenta as the whole-stack computation."""
+    batch, then back), with a last, shorter step when the steps do not divide the stack: the same updates
+    and momenta as the whole-stack computation."""
     rng = np.random.default_rng(2)
-    params = {"experts": jnp.asarray(rng.standard_normal((4, 3, 16, 12)), jnp.float32),  # [layers, E, in, out]
-              "down": jnp.asarray(rng.standard_normal((4, 3, 12, 16)), jnp.float32)}
+    params = {"experts": jnp.asarray(rng.standard_normal((layers, 3, 16, 12)), jnp.float32),  # [layers, E, in, out]
+              "down": jnp.asarray(rng.standard_normal((layers, 3, 12, 16)), jnp.float32)}
     dns = {"experts": optim.MDN(reduction_axis=(-2,), output_axis=(-1,)),
            "down": optim.MDN(reduction_axis=(2,), output_axis=(3,))}
     grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params) for _ in range(2)]
@@ -898,7 +904,7 @@ def test_several_layers_per_step_equal_the_batched_update(monkeypatch):
         return outs, state.mu
 
     want = run()
-    monkeypatch.setattr(newton_schulz, "layers_per_step", lambda x, dn: 2)
+    monkeypatch.setattr(newton_schulz, "layers_per_step", lambda x, dn: per_step)
     both = lambda u: {"experts": True, "down": True}  # noqa: E731
     got = run(stacked=both, expert_stacks=both)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):

@@ -134,12 +134,13 @@ MAX_BLOCKS_PER_DEVICE_STEP = 16
 
 def layers_per_step(x: jax.Array, dn: MDN) -> int:
     """Layers of the stacked weight ``x [layers, E, ...]`` (axis 1 a batch axis: stacked experts) whose
-    momentum and Newton-Schulz run together, in one step of the update's loop: the divisor of ``layers`` that
-    leaves each device the fewest blocks in all, the smallest of those (the temporaries grow with it).
-    The spread (:func:`_spread_blocks`) pads each expert group's blocks to a multiple of its devices:
-    full K3 on v5p-2048 has 14 experts per group of 16 devices, so one layer at a time is 16 blocks' work
-    for 14 (22 per device over the 22 layers) where 11 layers at a time is 154 padded to 160 (20); K2 on
-    v5p-512 (6 experts per group of 4 devices, 60 layers): 2 layers, 90 blocks per device instead of 120.
+    momentum and Newton-Schulz run together, in one step of the update's loop (a last, shorter step takes
+    the layers left over): :func:`best_layers_per_step`. The spread (:func:`_spread_blocks`) pads each
+    expert group's blocks to a multiple of its devices: full K3 on v5p-2048 has 14 experts per group of 16
+    devices, so one layer at a time is 16 blocks' work for 14 (22 per device over the 22 layers) where 11
+    layers at a time is 154 padded to 160 (20); on v5p-1024 (groups of 8 devices) one layer at a time is 44
+    blocks per device for 38.5 (1.14x), 4 at a time 5 x 7 + a last step of 2 layers' 4 = 39; K2 on v5p-512
+    (6 experts per group of 4 devices, 60 layers): 2 layers, 90 blocks per device instead of 120.
     1 without a mesh, or when axis 1 is not a batch axis."""
     mesh = jax.sharding.get_abstract_mesh()
     red, out = normalized_axes(x.ndim, dn)
@@ -175,15 +176,17 @@ def split_over_experts(x: jax.Array, axis: int) -> jax.Array:
 
 def best_layers_per_step(num_layers: int, blocks_per_group: int, devices_per_group: int,
                          max_blocks_per_step: int = MAX_BLOCKS_PER_DEVICE_STEP) -> int:
-    """The divisor ``n`` of ``num_layers`` with the fewest padded blocks per device in all,
-    ``num_layers / n * ceil(n * blocks_per_group / devices_per_group)``, among those that give a device at
-    most ``max_blocks_per_step`` blocks per step (1 always qualifies); the smallest on a tie."""
+    """The ``n`` with the fewest padded blocks per device in all when the stack runs ``num_layers // n``
+    steps of ``n`` layers and a last step of the ``num_layers % n`` left (if any):
+    ``num_layers // n * ceil(n * blocks_per_group / devices_per_group)`` plus the last step's, among those
+    that give a device at most ``max_blocks_per_step`` blocks per step (1 always qualifies). On a tie, a
+    divisor of ``num_layers`` (no last step to compile), then the smallest (the temporaries grow with it)."""
     def step_blocks(n):
         return -(-n * blocks_per_group // devices_per_group)
 
-    ok = [n for n in range(1, num_layers + 1) if num_layers % n == 0
-          and (n == 1 or step_blocks(n) <= max_blocks_per_step)]
-    return min(ok, key=lambda n: (num_layers // n * step_blocks(n), n))
+    ok = [n for n in range(1, num_layers + 1) if n == 1 or step_blocks(n) <= max_blocks_per_step]
+    return min(ok, key=lambda n: (num_layers // n * step_blocks(n) + step_blocks(num_layers % n),
+                                  num_layers % n > 0, n))
 
 
 def _spread_blocks(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
