@@ -149,9 +149,9 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
                                                                    dispatch=mode), expert_args)
              for mode in ("all_to_all", "all_gather")]
     cases += [("conv", lambda x, w: causal_conv1d(x, w, segment_ids=seg)[0],
-               lambda x, w: sequence.causal_conv1d(x, w, segment_ids=seg), (normal(B, T, H * D), normal(4, H * D))),
+               lambda x, w: sequence.causal_conv1d(x, w, segment_ids=seg)[0], (normal(B, T, H * D), normal(4, H * D))),
               ("kda", lambda *a: chunk_kda(*a, chunk_size=8, segment_ids=seg)[0],
-               lambda *a: sequence.chunk_kda(*a, chunk_size=8, segment_ids=seg), kda_args)]
+               lambda *a: sequence.chunk_kda(*a, chunk_size=8, segment_ids=seg)[0], kda_args)]
     worst = 0.0
     for name, ref_fn, fn, args in cases:
         ref = grad_of(ref_fn, len(args))(*args)

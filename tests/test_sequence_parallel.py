@@ -48,8 +48,8 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     def cases(segment_ids):
         conv = lambda x, w: causal_conv1d(x, w, segment_ids=segment_ids)[0]
         kda = lambda *a: chunk_kda(*a, chunk_size=CHUNK, segment_ids=segment_ids)[0]
-        sp_conv = lambda x, w: sequence.causal_conv1d(x, w, segment_ids=segment_ids)
-        sp_kda = lambda *a: sequence.chunk_kda(*a, chunk_size=CHUNK, segment_ids=segment_ids)
+        sp_conv = lambda x, w: sequence.causal_conv1d(x, w, segment_ids=segment_ids)[0]
+        sp_kda = lambda *a: sequence.chunk_kda(*a, chunk_size=CHUNK, segment_ids=segment_ids)[0]
         layer = lambda p, h: nnx.merge(mla_def, p)(h, positions=positions, segment_ids=segment_ids)[0]
         return [("conv", conv, sp_conv, (x, w)), ("kda", kda, sp_kda, (q, k, v, g, beta)),
                 ("mla", layer, layer, (mla_params, h))]

@@ -5,6 +5,7 @@ log-decay ``g`` from a low-rank projection through the lower-bounded sigmoid (K3
 Linear) gate, the gated delta rule, then ``(RMSNorm_head(o) * sigmoid(x W_g)) W_o``.
 """
 
+import functools
 import math
 
 import jax
@@ -79,13 +80,9 @@ class KDA(nnx.Module):
         if w is None:
             return jax.nn.silu(x), conv_state
         b, t, h, k = x.shape
-        if sequence_parallel:
-            y = seq_parallel.causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k),
-                                           segment_ids=segment_ids)
-            return jax.nn.silu(y).reshape(b, t, h, k), conv_state
-        y, conv_state = causal_conv1d(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k),
-                                      segment_ids=segment_ids, initial_state=conv_state,
-                                      output_final_state=conv_state is not None)
+        conv = seq_parallel.causal_conv1d if sequence_parallel else causal_conv1d
+        y, conv_state = conv(x.reshape(b, t, h * k), cast(w, x.dtype).reshape(-1, h * k), segment_ids=segment_ids,
+                             initial_state=conv_state, output_final_state=conv_state is not None)
         return jax.nn.silu(y).reshape(b, t, h, k), conv_state
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, cache: KDACache | None = None,
@@ -102,10 +99,10 @@ class KDA(nnx.Module):
         if token_valid is not None:
             x = jnp.where(token_valid[..., None], x, jnp.zeros((), dt))
         conv = c.conv_size > 0
-        # time split over the `sequence` mesh axis (training / full forward only; each shard needs
-        # the conv's W-1 halo from its predecessor)
+        # time split over mesh axes (a training row or a prefill chunk; each shard needs the conv's W-1 halo
+        # from its predecessor): the conv and the state fold run per shard, a cache's state entering shard 0
         halo = max(c.conv_size - 1, 1)
-        sequence_parallel = cache is None and seq_parallel.sequence_shards(x.shape[1], halo, batch=x.shape[0]) > 1
+        sequence_parallel = seq_parallel.sequence_shards(x.shape[1], halo, batch=x.shape[0]) > 1
 
         def proj(name):
             return lora.project(self, name, x, "btd,dhk->bthk", dt, lora_key)
@@ -132,12 +129,11 @@ class KDA(nnx.Module):
         if cache is not None and x.shape[1] == 1:  # decode: one recurrent step (no scan of length 1)
             o, state = kda_step(initial, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
             o = o[:, None]
-        elif sequence_parallel:
-            o, state = seq_parallel.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
-                                              chunk_fn=self.chunk_kda), None
         else:
-            o, state = self.chunk_kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
-                                 initial_state=initial, output_final_state=cache is not None)
+            kda = (functools.partial(seq_parallel.chunk_kda, chunk_fn=self.chunk_kda) if sequence_parallel
+                   else self.chunk_kda)
+            o, state = kda(q, k, v, g, beta, chunk_size=c.chunk_size, segment_ids=segment_ids,
+                           initial_state=initial, output_final_state=cache is not None)
         o = rms_norm(checkpoint_name(o, MIXER_OUTPUTS), self.o_norm[...], c.norm_eps)
         if c.output_gate == "full":
             o = o * jax.nn.sigmoid(proj("g_proj").astype(jnp.float32)).astype(dt)

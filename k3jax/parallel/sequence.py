@@ -82,63 +82,87 @@ def _specs(mesh, batch: int, seq_len: int, heads: int):
 # --------------------------------------------------------------------------------------- short conv
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-    """``k3jax.ops.conv.causal_conv1d`` (no cache) with the time axis over ``sequence``.
+def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array | None = None,
+                  initial_state: jax.Array | None = None, output_final_state: bool = False):
+    """``k3jax.ops.conv.causal_conv1d`` with the time axis over the sequence shards.
 
-    x ``[B, T, C]``, weight ``[W, C]``, segment_ids ``[B, T]`` or None -> y ``[B, T, C]``.
+    x ``[B, T, C]``, weight ``[W, C]``, segment_ids ``[B, T]`` or None, initial_state ``[B, W-1, C]`` or
+    None (the inputs before token 0, a cache's conv window: shard 0's halo) -> ``(y [B, T, C], final_state
+    [B, W-1, C] or None)``, the final state (the last shard's last ``W - 1`` inputs) replicated over the
+    time shards.
     """
     mesh = current_mesh()
     halo = weight.shape[0] - 1
+    if initial_state is not None and (initial_state.shape != (x.shape[0], halo, x.shape[2])
+                                      or initial_state.dtype != x.dtype):
+        raise ValueError(f"initial_state must be {x.dtype} [B, W-1, C]={(x.shape[0], halo, x.shape[2])}, "
+                         f"got {initial_state.dtype} {initial_state.shape}")
     sp = sequence_shards(x.shape[1], halo, mesh, batch=x.shape[0])
     b_entry, axes, c_entry = _specs(mesh, *x.shape)
-    act, w_spec, seg_spec = P(b_entry, axes, c_entry), P(None, c_entry), P(b_entry, axes)
-    body = functools.partial(_conv_body, halo=halo, sp=sp, axes=axes)
-    if segment_ids is None:
-        return jax.shard_map(lambda x, w: body(x, w, None), mesh=mesh, in_specs=(act, w_spec),
-                             out_specs=act)(x, weight)
-    return jax.shard_map(body, mesh=mesh, in_specs=(act, w_spec, seg_spec), out_specs=act)(x, weight, segment_ids)
+    act, w_spec, seg_spec, state_spec = P(b_entry, axes, c_entry), P(None, c_entry), P(b_entry, axes), P(b_entry, None,
+                                                                                                        c_entry)
+    body = functools.partial(_conv_body, halo=halo, sp=sp, axes=axes, output_final_state=output_final_state)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act, w_spec, seg_spec, state_spec),
+                         out_specs=(act, state_spec))(x, weight, segment_ids, initial_state)
 
 
-def _conv_body(x, weight, segment_ids, *, halo, sp, axes):
-    """One shard: x ``[B, t, C]`` -> ``[B, t, C]``, with the previous shard's last ``halo`` inputs."""
+def _conv_body(x, weight, segment_ids, initial_state, *, halo, sp, axes, output_final_state):
+    """One shard: x ``[B, t, C]`` -> (``[B, t, C]``, final state or None), with the previous shard's last
+    ``halo`` inputs (shard 0: ``initial_state``, or zeros)."""
     if halo == 0:
-        return conv_ops.causal_conv1d(x, weight, segment_ids=segment_ids)[0]
+        return conv_ops.causal_conv1d(x, weight, segment_ids=segment_ids, output_final_state=output_final_state)
+    me = jax.lax.axis_index(axes)
     to_next = [(i, i + 1) for i in range(sp - 1)]  # shard 0 receives zeros: the sequence start
-    x_ext = jnp.concatenate([jax.lax.ppermute(x[:, -halo:], axes, to_next), x], axis=1)
+    x_halo = jax.lax.ppermute(x[:, -halo:], axes, to_next)
+    if initial_state is not None:  # ... or the inputs before it
+        x_halo = jnp.where(me == 0, initial_state, x_halo)
+    x_ext = jnp.concatenate([x_halo, x], axis=1)
     seg_ext = None
     if segment_ids is not None:  # the halo keeps its own ids, so a document start resets the window
-        seg_ext = jnp.concatenate([jax.lax.ppermute(segment_ids[:, -halo:], axes, to_next), segment_ids], axis=1)
-    y, _ = conv_ops.causal_conv1d(x_ext, weight, segment_ids=seg_ext)
-    return y[:, halo:]
+        seg_halo = jax.lax.ppermute(segment_ids[:, -halo:], axes, to_next)
+        # shard 0's halo belongs to token 0's document (as an initial state does in k3jax.ops.conv)
+        seg_halo = jnp.where(me == 0, segment_ids[:, :1], seg_halo)
+        seg_ext = jnp.concatenate([seg_halo, segment_ids], axis=1)
+    y, final = conv_ops.causal_conv1d(x_ext, weight, segment_ids=seg_ext, output_final_state=output_final_state)
+    return y[:, halo:], (None if final is None else _from_last_shard(final, me, sp, axes))
+
+
+def _from_last_shard(x: jax.Array, me: jax.Array, sp: int, axes) -> jax.Array:
+    """The last shard's ``x`` on every shard (a final state): one all-reduce of ``x``'s size, exact (the other
+    shards add zeros)."""
+    return jax.lax.psum(jnp.where(me == sp - 1, x, jnp.zeros((), x.dtype)), axes)
 
 
 # ---------------------------------------------------------------------------------------------- KDA
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, chunk_size=64, segment_ids=None, chunk_fn=None) -> jax.Array:
-    """``k3jax.ops.kda.chunk_kda`` (zero initial state, no final state) with the time axis over
-    ``sequence``.
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
+              segment_ids=None, chunk_fn=None):
+    """``k3jax.ops.kda.chunk_kda`` with the time axis over the sequence shards.
 
-    q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, segment_ids ``[B, T]`` or None ->
-    o ``[B, T, H, V]`` in v's dtype. ``chunk_fn``: the per-shard chunkwise KDA (same signature as
-    ``k3jax.ops.kda.chunk_kda``, e.g. a Pallas kernel); default the pure-JAX op.
+    q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, segment_ids ``[B, T]`` or None,
+    initial_state ``[B, H, K, V]`` (float32) or None: the state before token 0 (a cache's), which shard 0
+    starts from -> ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] or None)``, the final state (the
+    last shard's outgoing one) replicated over the time shards. ``chunk_fn``: the per-shard chunkwise KDA
+    (same signature as ``k3jax.ops.kda.chunk_kda``, e.g. a Pallas kernel); default the pure-JAX op.
     """
+    kda_ops.check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     mesh = current_mesh()
     sp = sequence_shards(q.shape[1], 1, mesh, batch=q.shape[0])
     b_entry, axes, h_entry = _specs(mesh, *q.shape[:3])
     act, gate = P(b_entry, axes, h_entry, None), P(b_entry, axes, h_entry)
-    seg_spec = P(b_entry, axes)
+    seg_spec, state_spec = P(b_entry, axes), P(b_entry, h_entry, None, None)
     body = functools.partial(_kda_body, scale=scale, chunk_size=chunk_size, sp=sp, axes=axes,
+                             output_final_state=output_final_state,
                              chunk_fn=kda_ops.chunk_kda if chunk_fn is None else chunk_fn)
-    if segment_ids is None:
-        return jax.shard_map(lambda *a: body(*a, None), mesh=mesh, in_specs=(act, act, act, act, gate),
-                             out_specs=act)(q, k, v, g, beta)
-    return jax.shard_map(body, mesh=mesh, in_specs=(act, act, act, act, gate, seg_spec),
-                         out_specs=act)(q, k, v, g, beta, segment_ids)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act, act, act, act, gate, seg_spec, state_spec),
+                         out_specs=(act, state_spec))(q, k, v, g, beta, segment_ids, initial_state)
 
 
-def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, axes, chunk_fn):
-    """One shard: q, k, g ``[B, t, H, K]``, v ``[B, t, H, V]``, beta ``[B, t, H]`` -> o ``[B, t, H, V]``."""
+def _kda_body(q, k, v, g, beta, segment_ids, initial_state, *, scale, chunk_size, sp, axes, output_final_state,
+              chunk_fn):
+    """One shard: q, k, g ``[B, t, H, K]``, v ``[B, t, H, V]``, beta ``[B, t, H]``, initial_state ``[B, H, K, V]``
+    or None -> (o ``[B, t, H, V]``, final state ``[B, H, K, V]`` or None)."""
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     dtype = jnp.result_type(jnp.float32, q, k, v, g, beta)
@@ -152,6 +176,10 @@ def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, axes, chu
     read, o_local = o_aug[..., :dk], o_aug[..., dk:]  # [B, t, H, K], [B, t, H, V]
     m, state = final[..., :dk], final[..., dk:]  # S_out = m S_in + state: [B, H, K, K], [B, H, K, V]
     me = jax.lax.axis_index(axes)
+    first = me == 0
+    if initial_state is not None:  # shard 0's map applied to the initial state: a constant, m = 0
+        state = jnp.where(first, jnp.einsum("bhkj,bhjv->bhkv", m, initial_state, precision=_PRECISION) + state, state)
+        m = jnp.where(first, jnp.zeros((), dtype), m)
     to_next = [(i, i + 1) for i in range(sp - 1)]  # shard 0 receives zeros: the sequence start
     starts_doc = jnp.zeros_like(me, bool, shape=(b,))
     if segment_ids is not None:  # a shard whose first id differs from the previous shard's last id
@@ -169,10 +197,14 @@ def _kda_body(q, k, v, g, beta, segment_ids, *, scale, chunk_size, sp, axes, chu
                     jnp.where(has_prev, jnp.einsum("bhkj,bhjv->bhkv", m, state_prev, precision=_PRECISION) + state,
                               state))
         step *= 2
-    # the state entering this shard is the one leaving the previous shard (zero at a document start)
-    incoming = jnp.where(reset, jnp.zeros((), dtype), jax.lax.ppermute(state, axes, to_next))
+    # the state entering this shard is the one leaving the previous shard (zero at a document start; shard 0's
+    # is the initial state, or zero), and the last shard's composed state is the final one
+    incoming = jax.lax.ppermute(state, axes, to_next)
+    if initial_state is not None:
+        incoming = jnp.where(first, initial_state, incoming)
+    incoming = jnp.where(reset, jnp.zeros((), dtype), incoming)
     o = o_local + jnp.einsum("bthk,bhkv->bthv", read, incoming, precision=_PRECISION)
-    return o.astype(v.dtype)
+    return o.astype(v.dtype), (_from_last_shard(state, me, sp, axes) if output_final_state else None)
 
 
 # ---------------------------------------------------------------------------------------------- MLA
