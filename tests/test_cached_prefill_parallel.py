@@ -52,9 +52,6 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
         loss = lambda *a: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(f(*a)))
         return jax.jit(jax.value_and_grad(loss, argnums=argnums))
 
-    def forward(f):
-        return jax.jit(f)
-
     worst = {}
     for segment_ids in (None, seg):
         cases = [
@@ -68,11 +65,11 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
                                            segment_ids=segment_ids), (q, k, v, g, beta, state0))]
         for name, single, parallel, args in cases:
             argnums = tuple(range(len(args)))
-            ref_out, ref_grad = forward(single)(*args), grad_of(single, argnums)(*args)
+            ref_out, ref_grad = jax.jit(single)(*args), grad_of(single, argnums)(*args)
             for mesh_text, shards in (("sequence=8", 8), ("fsdp=2,expert=4", 4)):
                 with jax.set_mesh(make_mesh(parse_mesh(mesh_text))):
                     assert sequence.sequence_shards(T, batch=B) == shards
-                    out, grad = forward(parallel)(*args), grad_of(parallel, argnums)(*args)
+                    out, grad = jax.jit(parallel)(*args), grad_of(parallel, argnums)(*args)
                 err = max(rel(out, ref_out), rel(grad, ref_grad))
                 assert err < 2e-5, (name, mesh_text, segment_ids is not None, err)
                 worst[name] = max(worst.get(name, 0.0), err)

@@ -3,7 +3,8 @@ ops that mix tokens (everything else in the model is per token and stays plain G
 
 - **Short conv** (:func:`causal_conv1d`): each shard receives the last ``W - 1`` inputs (and their
   segment ids) of the previous shard with one ``ppermute`` and convolves its extended window, so
-  the window and its document resets cross shard boundaries exactly.
+  the window and its document resets cross shard boundaries exactly. Continuing a cache (a prefill
+  chunk), shard 0's halo is the cached window, and the last shard's last ``W - 1`` inputs are the new one.
 - **KDA** (:func:`chunk_kda`): the recurrence ``S <- A_t S + b_t`` is affine in the state, so a shard
   summarises its whole slice as ``S_out = M S_in + S_loc`` (``M [K, K]`` per head) and its outputs as
   ``o = o_loc + P S_in`` (``P [T, K]`` per head). Both come from one ``chunk_kda`` pass whose value
@@ -13,7 +14,10 @@ ops that mix tokens (everything else in the model is per token and stays plain G
   ``ppermute`` (each shard holds two summaries at a time, not all ``sp``: 12.6 MB each for K3, 6.4 GB
   gathered at 512 shards), a shard that starts a document exactly at its boundary dropping what came
   before; each shard's incoming state is the previous shard's composed output, and it finishes
-  ``o = o_loc + P S_in`` locally.
+  ``o = o_loc + P S_in`` locally. Continuing a cache (a prefill chunk), shard 0 applies its map to the
+  cached state before the scan (its map becomes the constant ``M S_0 + S_loc``), so every composed
+  state is absolute, shard 0's incoming state is the cached one, and the last shard's composed state is
+  the new one (sent to every shard with one all-reduce of the state's size).
 - **MLA** (:func:`mla_attention`): each shard all-gathers the compressed KV (``c_kv | k_rope``,
   576 values per token for K3) and the segment ids, and attends with its local queries under the
   causal mask of global positions, expanding keys and values from the latent one key block at a time
@@ -99,8 +103,8 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array | N
                          f"got {initial_state.dtype} {initial_state.shape}")
     sp = sequence_shards(x.shape[1], halo, mesh, batch=x.shape[0])
     b_entry, axes, c_entry = _specs(mesh, *x.shape)
-    act, w_spec, seg_spec, state_spec = P(b_entry, axes, c_entry), P(None, c_entry), P(b_entry, axes), P(b_entry, None,
-                                                                                                        c_entry)
+    act, w_spec, seg_spec = P(b_entry, axes, c_entry), P(None, c_entry), P(b_entry, axes)
+    state_spec = P(b_entry, None, c_entry)  # [B, W-1, C]: whole on every time shard
     body = functools.partial(_conv_body, halo=halo, sp=sp, axes=axes, output_final_state=output_final_state)
     return jax.shard_map(body, mesh=mesh, in_specs=(act, w_spec, seg_spec, state_spec),
                          out_specs=(act, state_spec))(x, weight, segment_ids, initial_state)
