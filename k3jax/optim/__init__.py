@@ -18,10 +18,10 @@ queries/gains.
 - ``qk_clip``: K2's MuonClip, which edits MLA weights after the step (``k3jax.optim.qk_clip.qk_clip``).
 """
 
-from k3jax.optim.grouping import (MDN, cast_muon_group, classify, group_table, muon_dimension_numbers,
+from k3jax.optim.grouping import (ADAMW, MDN, MUON, cast_muon_group, classify, group_table, muon_dimension_numbers,
                                   normalize_path, param_group)
 from k3jax.optim.optimizer import make_lora_optimizer, make_optimizer
 from k3jax.optim.schedules import learning_rate_schedule
 
-__all__ = ["MDN", "cast_muon_group", "classify", "group_table", "learning_rate_schedule", "make_lora_optimizer",
+__all__ = ["ADAMW", "MDN", "MUON", "cast_muon_group", "classify", "group_table", "learning_rate_schedule", "make_lora_optimizer",
            "make_optimizer", "muon_dimension_numbers", "normalize_path", "param_group"]
