@@ -12,7 +12,7 @@ process runs its schedule of prefill and decode steps (``k3jax/serving/server.py
 PATH is a checkpoint directory written by ``train.py`` (``<out_dir>/checkpoints``, the latest step
 unless ``--step``; a LoRA run's is its base with its adapters merged) or a run directory containing one,
 or a Hugging Face model directory (e.g. a ``to_hf`` / ``k3jax.convert`` export), local or a URL
-(``gs://bucket/run``; ``k3jax/storage.py``). Without ``--checkpoint`` the latest run of the default main
+(``gs://bucket/run``; ``k3jax/runtime/storage.py``). Without ``--checkpoint`` the latest run of the default main
 job (``runs/default``) is used.
 Tokens are streamed to the terminal as they are produced.
 
@@ -23,7 +23,7 @@ or ``bfloat16`` loads in that dtype instead. The weights' bytes per device are p
 
 Devices: ``--mesh`` lays the model out over every device of every process (default ``fsdp=-1``: the
 weights split over all devices, so a model larger than one device loads); ``--distributed`` starts
-the multi-host runtime (``k3jax/distributed.py``). On one device nothing is sharded.
+the multi-host runtime (``k3jax/runtime/distributed.py``). On one device nothing is sharded.
 
 ``--image PATH`` (repeatable; a model with ``model.vision.enabled``) puts each image's placeholder
 block (``<|media_begin|>image WxH<|media_content|>`` + pads + ``<|media_end|>``) before the prompt
@@ -41,11 +41,12 @@ import k3jax  # noqa: F401 (first: with K3JAX_HOST_MEMORY=keep it sets up host m
 import jax
 import numpy as np
 
-from k3jax import checkpoint, compile_cache, distributed
+from k3jax.runtime import compile_cache, distributed
+from k3jax.training import checkpoint
 from k3jax.config import ConfigError, load_config
 from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.tokenizer import load_tokenizer
-from k3jax.generate import generate
+from k3jax.inference.generate import generate
 from k3jax.serving.loading import DTYPES, checkpoint_dir, load_checkpoint_tokenizer, load_model, weight_bytes_line
 from k3jax.serving.server import add_arguments as add_serve_arguments
 from k3jax.serving.server import serve
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mesh", default="fsdp=-1", help="device mesh, axis=size pairs over data, fsdp, expert, "
                     "sequence, tensor (unlisted: 1; -1 fills); default: weights split over all devices")
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
-                    help="multi-host start-up (jax.distributed.initialize; k3jax/distributed.py)")
+                    help="multi-host start-up (jax.distributed.initialize; k3jax/runtime/distributed.py)")
     ap.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS", help="several processes: seconds without "
                     "a heartbeat before a process counts as dead and the others abort (default: JAX's, 100)")
     add_serve_arguments(ap)

@@ -6,11 +6,11 @@ on the bundled King James Bible slice with a byte-level tokenizer, checkpointed 
 directory (``run_dir=...``, an alias of ``train.out_dir=...``; pass ``--fresh`` to start over).
 Ctrl-C or SIGTERM (a preempted spot VM, a Kubernetes eviction) finishes the current step, saves a
 checkpoint and exits; the same command resumes. ``run_dir`` and ``train.data.source`` may be URLs
-(``gs://bucket/run``; ``k3jax/storage.py``).
-The training loop itself is ``k3jax.trainer.train``; this file is its command line.
+(``gs://bucket/run``; ``k3jax/runtime/storage.py``).
+The training loop itself is ``k3jax.training.trainer.train``; this file is its command line.
 
 The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
-and, at the end, ``loss.png`` (``k3jax/run_log.py``); ``train.lock`` keeps a second process out.
+and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); ``train.lock`` keeps a second process out.
 
 Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
 ``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
@@ -29,12 +29,13 @@ import k3jax  # noqa: F401 (first: with K3JAX_HOST_MEMORY=keep it sets up host m
 
 import jax
 
-from k3jax import checkpoint, compile_cache, distributed
+from k3jax.runtime import compile_cache, distributed
+from k3jax.training import checkpoint
 from k3jax.config import ConfigError, load_config
 from k3jax.data.sources import BadRecordError
-from k3jax.run_lock import RunLockedError
+from k3jax.training.run_lock import RunLockedError
 from k3jax.sharding import make_mesh
-from k3jax.trainer import DivergenceError, ScheduleChangeError, train
+from k3jax.training.trainer import DivergenceError, ScheduleChangeError, train
 
 EXIT_FAILED = 1  # the run could not start or resume (locked directory, checkpoint, schedule)
 EXIT_USAGE = 2  # bad arguments or config (argparse's code)
@@ -58,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample after training (0: none)")
     ap.add_argument("--distributed", choices=distributed.MODES, default="auto",
                     help="multi-host start-up (jax.distributed.initialize): auto = when the environment "
-                    "describes a multi-process job (k3jax/distributed.py)")
+                    "describes a multi-process job (k3jax/runtime/distributed.py)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help=f"persistent XLA compilation cache directory, or 'off' (default: ${compile_cache.ENV_VAR}, "
-                    "else ~/.cache/k3jax/jax; k3jax/compile_cache.py)")
+                    "else ~/.cache/k3jax/jax; k3jax/runtime/compile_cache.py)")
     ap.add_argument("overrides", nargs="*",
                     help="dotted key=value config overrides, e.g. train.steps=50 run_dir=runs/exp1")
     args = ap.parse_args(argv)

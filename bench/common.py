@@ -4,9 +4,9 @@ its own parameters), timing helpers, and the machine's measured float32 matmul p
 bandwidth.
 
 Import this before jax: it pins JAX to the CPU (libtpu, when installed, must not try to claim a TPU)
-and turns on the persistent compilation cache (``k3jax/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
+and turns on the persistent compilation cache (``k3jax/runtime/compile_cache.py``; ``K3JAX_COMPILE_CACHE=off``
 measures cold compiles), and makes glibc keep freed memory for the whole process, both sides of a
-bench alike (``K3JAX_HOST_MEMORY=keep``, ``k3jax/host_memory.py``: XLA:CPU's and torch's large
+bench alike (``K3JAX_HOST_MEMORY=keep``, ``k3jax/runtime/host_memory.py``: XLA:CPU's and torch's large
 temporaries are otherwise page-faulted in afresh on every call).
 """
 
@@ -19,14 +19,14 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Both sides of every bench with glibc keeping freed memory (k3jax/host_memory.py), applied when k3jax is
+# Both sides of every bench with glibc keeping freed memory (k3jax/runtime/host_memory.py), applied when k3jax is
 # imported below, before jax or torch start threads.
 os.environ.setdefault("K3JAX_HOST_MEMORY", "keep")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from k3jax import compile_cache  # noqa: E402
-from k3jax.host_memory import keep_host_memory, keeps_host_memory  # noqa: E402
+from k3jax.runtime import compile_cache  # noqa: E402
+from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory  # noqa: E402
 
 COMPILE_CACHE = compile_cache.enable()
 
@@ -127,7 +127,7 @@ def randomize_torch(model, seed: int) -> None:
 @contextlib.contextmanager
 def peer_host_memory(choice: str):
     """Around the peer's calls (``--peer-malloc``): ``same`` keeps this process's setting; ``glibc``
-    restores glibc's defaults while inside, when the process keeps freed memory (k3jax/host_memory.py)."""
+    restores glibc's defaults while inside, when the process keeps freed memory (k3jax/runtime/host_memory.py)."""
     restore = choice == "glibc" and keeps_host_memory()
     if restore:
         keep_host_memory(False)

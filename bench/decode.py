@@ -7,7 +7,7 @@ Three models, timed in the same process, interleaved repeat by repeat (so that l
 processes hits all of them alike), after a warm-up call that also gives the compile time:
 
 - ``k3jax_<config>``: the k3jax config itself (K3 mechanisms: AttnRes, latent MoE, gated MLA, ...),
-  through ``k3jax.generate.generate``, its layers unrolled once at load (``k3jax.model.unroll_layers``,
+  through ``k3jax.inference.generate.generate``, its layers unrolled once at load (``k3jax.model.unroll_layers``,
   as the serving engine does on CPU; ``--scanned`` decodes the scanned model as stored);
 - ``hf_kimi_linear``: ``transformers.KimiLinearForCausalLM.generate`` (greedy) on a Kimi Linear config
   of the same size (``common.hf_kimi_linear_config``: same widths, depth, layout, heads, experts),
@@ -36,7 +36,7 @@ bytes at that rate. It is a reference, not a strict floor: the products of a ste
 each other overlap, and the ``small`` batch-1 step beats it slightly.
 
 Host memory: the process runs with glibc keeping freed memory (``common`` sets
-``K3JAX_HOST_MEMORY=keep``: ``k3jax/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
+``K3JAX_HOST_MEMORY=keep``: ``k3jax/runtime/host_memory.py``) for both sides; HF's batch-8 ``generate`` otherwise
 page-faults its large temporaries in on every call and swings between 9 and 25 tokens/s.
 ``--peer-malloc glibc`` restores glibc's defaults around HF's calls.
 
@@ -63,11 +63,11 @@ import torch  # noqa: E402
 
 from k3jax.cache import cache_bytes, init_cache  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
-from k3jax.generate import generate  # noqa: E402
+from k3jax.inference.generate import generate  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model, plan_layers, unroll_layers  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.host_memory import keeps_host_memory  # noqa: E402
+from k3jax.runtime.host_memory import keeps_host_memory  # noqa: E402
 
 # First token id of the random prompts: HF's KimiLinear config reserves 0-2 (pad, bos, eos).
 FIRST_PROMPT_ID = 3

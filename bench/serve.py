@@ -20,7 +20,7 @@ continuous batching gets from the HF stack. Its "TTFT" is the time until its bat
 returns whole batches). Both sides run on the same CPU cores; the client's Python shares them with
 the server. ``load_average`` says how busy the machine was.
 
-Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/host_memory.py``: no fresh
+Host memory: a serving engine on CPU makes glibc keep freed memory (``k3jax/runtime/host_memory.py``: no fresh
 ``mmap`` per large block, so XLA's per-call temporaries are not page-faulted in again on every call;
 ``common`` sets ``K3JAX_HOST_MEMORY=keep`` for the whole process). The setting is process-wide, so
 by default the peer runs with it too (``host_malloc`` in the report). torch's large temporaries gain
@@ -66,7 +66,7 @@ import torch  # noqa: E402
 
 from k3jax.config import load_config  # noqa: E402
 from k3jax.tokenizer import ByteTokenizer  # noqa: E402
-from k3jax.host_memory import keeps_host_memory  # noqa: E402
+from k3jax.runtime.host_memory import keeps_host_memory  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
 from k3jax.serving.api import create_app  # noqa: E402

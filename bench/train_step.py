@@ -9,10 +9,10 @@ still grow the process's heap, 2-5 s against a steady 2.4-2.7 s); the k3jax comp
 own (``lower().compile()``).
 Medians over ``--repeats``, and the best repeat (least disturbed by other load; ``load_average``
 says how busy the machine was). Both sides run with glibc keeping freed memory (``common`` sets
-``K3JAX_HOST_MEMORY=keep``, ``k3jax/host_memory.py``; ``host_memory_kept`` in the report): with glibc's defaults
+``K3JAX_HOST_MEMORY=keep``, ``k3jax/runtime/host_memory.py``; ``host_memory_kept`` in the report): with glibc's defaults
 both page-faulted their temporaries in on every step, torch's more (HF 6.7 s per step, k3jax 3.3 s).
 
-- ``k3jax_<config>``: the step ``train.py`` runs (``k3jax.training.make_train_step``: forward,
+- ``k3jax_<config>``: the step ``train.py`` runs (``k3jax.training.step.make_train_step``: forward,
   backward, per-head Muon + AdamW, Quantile Balancing, NaN guard) on the config itself;
 - ``k3jax_<config>_adamw`` (unless ``--no-adamw``): the same step with ``train.optim.optimizer=adamw``
   (AdamW for every parameter, as HF's side): the ratio with the optimizers matched;
@@ -60,7 +60,7 @@ from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
 from k3jax.optim import make_optimizer  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
-from k3jax.training import TrainState, make_train_step  # noqa: E402
+from k3jax.training.step import TrainState, make_train_step  # noqa: E402
 
 # HF AdamW settings (the AdamW side of k3jax's optimizer uses the config's own)
 HF_LEARNING_RATE = 1e-3

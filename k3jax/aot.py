@@ -13,7 +13,7 @@
 devices of a slice, a mesh is built on them (``k3jax.sharding.make_mesh``), and the *real* programs
 are lowered from ``ShapeDtypeStruct`` arguments that carry the rule-derived shardings and compiled:
 
-- ``train``: ``k3jax.training.make_train_step`` over the split ``TrainState`` (model, per-head Muon +
+- ``train``: ``k3jax.training.step.make_train_step`` over the split ``TrainState`` (model, per-head Muon +
   AdamW state, step counters), built abstractly (``abstract_model`` + ``jax.eval_shape``: nothing is
   allocated, the full K3 state builds in about a second), state donated.
 - ``decode``: one token of ``model(tokens, cache=cache)`` (the step ``k3jax.generate`` loops over)
@@ -83,7 +83,7 @@ from k3jax.model import K3Model, abstract_model
 from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding, parse_mesh,
                             state_shardings)
-from k3jax.training import abstract_train_state, make_train_step
+from k3jax.training.step import abstract_train_state, make_train_step
 
 GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
@@ -396,7 +396,7 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
 @contextlib.contextmanager
 def _no_persistent_cache():
     """Topology executables cannot be loaded back without a TPU client, and full-K3 ones are large:
-    keep them out of the persistent compilation cache (``k3jax.compile_cache``)."""
+    keep them out of the persistent compilation cache (``k3jax.runtime.compile_cache``)."""
     saved = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:

@@ -41,7 +41,7 @@ import dataclasses
 import math
 import re
 
-# The named scopes of the model and the train step (k3jax/model.py, layers/, optim/newton_schulz.py, training.py).
+# The named scopes of the model and the train step (k3jax/model.py, layers/, optim/newton_schulz.py, training/step.py).
 PARTS = ("embedding", "kda", "mla", "attn_res", "router", "routed_experts", "shared_experts", "latent_proj",
          "dense_ffn", "lm_head_loss", "newton_schulz", "optimizer", "quantile_balancing", "vision")
 PHASES = ("forward", "backward", "recompute", "optimizer")

@@ -15,7 +15,7 @@ alone in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
 (config.json + single or sharded safetensors), streaming shard by shard. ``--to-hf`` writes the
 official layout of ``--model-type``; ``--tokenizer-from`` copies the tokenizer files and the
 special-token ids of an original download into the export. Every path may be a URL (``gs://bucket/ckpt``;
-``k3jax/storage.py``).
+``k3jax/runtime/storage.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi
 
 def _checkpoints(src: str):
     """A run directory's ``checkpoints/``, else ``src`` itself (a local path or a URL)."""
-    from k3jax import storage
+    from k3jax.runtime import storage
 
     p = storage.path(src)
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
@@ -40,7 +40,7 @@ def _checkpoints(src: str):
 def _with_lora(model, lora: str | None):
     """``model`` with the adapters of ``lora`` (a LoRA run or a PEFT directory) added, when given."""
     if lora:
-        from k3jax.checkpoint import restore_adapters
+        from k3jax.training.checkpoint import restore_adapters
 
         restore_adapters(model, lora)
     return model
@@ -50,7 +50,7 @@ def hf_to_orbax(src: str, dst: str, *, dtype: str = "float32", overrides=(), lor
                 progress: bool = True) -> None:
     import jax.numpy as jnp
 
-    from k3jax.checkpoint import save_model
+    from k3jax.training.checkpoint import save_model
     from k3jax.config import Config
     from k3jax.interop import from_hf
 
@@ -64,7 +64,7 @@ def orbax_to_orbax(src: str, dst: str, *, lora: str | None = None, step: int | N
     """A plain checkpoint of a LoRA run (or of ``src`` with ``lora``'s adapters), the adapters merged."""
     import dataclasses
 
-    from k3jax.checkpoint import restore_model, save_model
+    from k3jax.training.checkpoint import restore_model, save_model
     from k3jax.config import LoRAConfig
 
     model, config = restore_model(_checkpoints(src), step=step)
@@ -78,7 +78,7 @@ def orbax_to_orbax(src: str, dst: str, *, lora: str | None = None, step: int | N
 
 def orbax_to_peft(src: str, dst: str, *, model_type: str, lora: str | None = None, step: int | None = None) -> None:
     """The adapters of a LoRA run (or ``lora``'s on ``src``) as a PEFT adapter directory."""
-    from k3jax.checkpoint import restore_model
+    from k3jax.training.checkpoint import restore_model
     from k3jax.interop.peft import save_peft
 
     model, _ = restore_model(_checkpoints(src), step=step)
@@ -88,8 +88,8 @@ def orbax_to_peft(src: str, dst: str, *, model_type: str, lora: str | None = Non
 def orbax_to_hf(src: str, dst: str, *, model_type: str, max_shard_size: str = "5GB", dtype: str | None = None,
                 mxfp4: bool | None = None, tokenizer_from: str | None = None, step: int | None = None,
                 lora: str | None = None, progress: bool = True) -> None:
-    from k3jax import storage
-    from k3jax.checkpoint import restore_model
+    from k3jax.runtime import storage
+    from k3jax.training.checkpoint import restore_model
     from k3jax.interop import to_hf
 
     model, _ = restore_model(_checkpoints(src), step=step)

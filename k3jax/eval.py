@@ -26,7 +26,7 @@ def with_defaults(argv: list[str], tasks_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from k3jax import compile_cache
+    from k3jax.runtime import compile_cache
     from k3jax.evaluation import TASKS_DIR
     from lm_eval.__main__ import cli_evaluate
 

@@ -40,7 +40,7 @@ import os
 import pathlib
 from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
-from k3jax import storage
+from k3jax.runtime import storage
 
 # ``tokenization_kimi.py:TikTokenTokenizer.pat_str`` (verbatim; needs the Rust regex of tiktoken).
 PAT_STR = "|".join([

@@ -1,5 +1,5 @@
 """Shared test setup: make the repo importable without an editable install; the persistent compilation
-cache (k3jax/compile_cache.py: a second test run loads its executables; xdist workers and subprocesses
+cache (k3jax/runtime/compile_cache.py: a second test run loads its executables; xdist workers and subprocesses
 share it safely); XLA settings for tests that compile whole models."""
 
 import contextlib
@@ -25,7 +25,7 @@ _ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from k3jax import compile_cache  # noqa: E402
+from k3jax.runtime import compile_cache  # noqa: E402
 
 compile_cache.enable()
 

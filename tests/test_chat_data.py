@@ -344,7 +344,7 @@ def test_an_all_masked_batch_gives_zero_loss_and_a_finite_update():
     from flax import nnx
 
     from k3jax.sharding import make_mesh
-    from k3jax.training import init_train_state, make_train_step
+    from k3jax.training.step import init_train_state, make_train_step
 
     cfg = load_config("tiny", ["model.num_layers=1", "train.seq_len=8", "train.batch_size=2"])
     state = init_train_state(cfg, make_mesh(cfg.mesh))
@@ -364,8 +364,8 @@ def test_an_all_masked_batch_gives_zero_loss_and_a_finite_update():
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_xla_test")
 def test_training_on_chat_data_logs_the_trained_fraction(tmp_path):
-    from k3jax.run_log import read_metrics
-    from k3jax.trainer import train
+    from k3jax.training.run_log import read_metrics
+    from k3jax.training.trainer import train
 
     records = [_qa(f"Quote verse {i}.", f"And it was so, {i} times.", system="Be brief." if i % 2 else None)
                for i in range(24)]

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import infer  # noqa: E402
 import train  # noqa: E402
-from k3jax.run_lock import LOCK_FILE, RunLockedError, lock_run_dir  # noqa: E402
+from k3jax.training.run_lock import LOCK_FILE, RunLockedError, lock_run_dir  # noqa: E402
 
 
 def _hold_lock(run_dir, *, orphan: bool = False) -> subprocess.Popen:
@@ -26,7 +26,7 @@ def _hold_lock(run_dir, *, orphan: bool = False) -> subprocess.Popen:
     (``orphan``: a forked child that inherited it; the recorded process exits at once)."""
     body = ("pid = os.fork()\nif pid: print(pid, flush=True); os._exit(0)\ntime.sleep(120)" if orphan else
             "print(os.getpid(), flush=True); time.sleep(120)")
-    script = f"import os, time\nfrom k3jax.run_lock import lock_run_dir\nwith lock_run_dir({str(run_dir)!r}):\n" + \
+    script = f"import os, time\nfrom k3jax.training.run_lock import lock_run_dir\nwith lock_run_dir({str(run_dir)!r}):\n" + \
         textwrap.indent(body, "    ")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -1,4 +1,4 @@
-"""The persistent compilation cache (k3jax/compile_cache.py): where it goes, how it is turned off, and
+"""The persistent compilation cache (k3jax/runtime/compile_cache.py): where it goes, how it is turned off, and
 that concurrent processes share it (two writers at once, then a reader that hits)."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from k3jax import compile_cache
+from k3jax.runtime import compile_cache
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ PROBE = r"""
 import sys, warnings
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
-from k3jax import compile_cache
+from k3jax.runtime import compile_cache
 counts = {"hits": 0, "misses": 0}
 def listen(event, **kw):
     if event == "/jax/compilation_cache/cache_hits":

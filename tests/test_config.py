@@ -258,7 +258,7 @@ def test_runtime_fields_are_marked_on_the_fields():
                                 "train.steps=7", "mesh.data=2"])
     assert without_runtime_fields(base) == without_runtime_fields(same)
     assert without_runtime_fields(base) != without_runtime_fields(load_config("tiny", ["model.kda.conv_size=2"]))
-    from k3jax import checkpoint
+    from k3jax.training import checkpoint
     from k3jax.interop.hf_config import runtime_fields_equal
 
     assert checkpoint.RESUMABLE_TRAIN_FIELDS == runtime_fields(TrainConfig)

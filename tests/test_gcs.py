@@ -1,4 +1,4 @@
-"""gs:// paths against a GCS emulator started by the test (tests/gcs_emulator.py): k3jax.storage's rule, the
+"""gs:// paths against a GCS emulator started by the test (tests/gcs_emulator.py): k3jax.runtime.storage's rule, the
 run lock as a generation-checked lease, data read from a bucket (and a file removed mid-run), and the main
 job's run in a bucket: trained, stopped by SIGTERM, resumed to an uninterrupted run's losses bit for bit,
 read back by infer.py and the server's loader, with nothing written to the local disk but caches."""
@@ -17,7 +17,8 @@ import pytest
 
 from cpu_devices import subprocess_env
 from gcs_emulator import BUCKET, gcs_emulator
-from k3jax import compile_cache, run_lock, storage
+from k3jax.runtime import compile_cache, storage
+from k3jax.training import run_lock
 from k3jax.data.sources import BadRecordError, GuardedRecords, JsonlDocuments, open_documents
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -224,7 +225,8 @@ def test_checkpoints_and_hf_directories_in_a_bucket(gcs, tmp_path, monkeypatch):
     import jax
     from flax import nnx
 
-    from k3jax import checkpoint, convert, create_model
+    from k3jax import convert, create_model
+    from k3jax.training import checkpoint
     from k3jax.config import load_config
     from k3jax.interop import from_hf, to_hf
 
@@ -250,12 +252,12 @@ def test_checkpoints_and_hf_directories_in_a_bucket(gcs, tmp_path, monkeypatch):
 
 
 def test_fresh_clears_a_bucket_run_dir_but_its_lock(gcs):
-    from k3jax.trainer import _clear_run_dir
+    from k3jax.training.trainer import clear_run_dir
 
     run = f"gs://{BUCKET}/fresh"
     for name in ("config.yaml", "checkpoints/2/x", "tensorboard/e", run_lock.LOCK_FILE):
         storage.write_text(f"{run}/{name}", name)
-    _clear_run_dir(storage.path(run))
+    clear_run_dir(storage.path(run))
     _, fs = gcs
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/fresh")] == [run_lock.LOCK_FILE]
@@ -268,7 +270,8 @@ def test_a_failed_save_in_a_bucket_lists_no_partial_step(gcs, monkeypatch):
 
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-    from k3jax import checkpoint, create_model
+    from k3jax import create_model
+    from k3jax.training import checkpoint
     from k3jax.config import load_config
 
     cfg = load_config("tiny", ["model.num_layers=1"])

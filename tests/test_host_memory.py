@@ -1,4 +1,4 @@
-"""k3jax/host_memory.py: with ``K3JAX_HOST_MEMORY=keep``, importing k3jax makes glibc keep freed memory,
+"""k3jax/runtime/host_memory.py: with ``K3JAX_HOST_MEMORY=keep``, importing k3jax makes glibc keep freed memory,
 so jitted calls reuse the pages of earlier calls' temporaries instead of faulting them in afresh.
 Each case runs in a fresh process: the setting must come before ``import jax`` starts its threads."""
 
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from k3jax import host_memory
+from k3jax.runtime import host_memory
 
 # A jitted function whose temporaries are one 128 MiB block (XLA:CPU allocates them per call); the
 # child reports the minor page faults of each of its calls.
 CHILD = """
 import json, resource
 import k3jax
-from k3jax import host_memory
+from k3jax.runtime import host_memory
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sum(jnp.sin(x)[::-1] * 2.0))  # a temporary the size of x
 x = jnp.ones((32 << 20,), jnp.float32)
@@ -34,7 +34,7 @@ CALLS = 12
 
 def _calls(choice: str) -> dict:
     # One CPU device, whatever the test process's environment says (with several, XLA:CPU's blocks fault
-    # in afresh either way: k3jax/host_memory.py)
+    # in afresh either way: k3jax/runtime/host_memory.py)
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent), host_memory.ENV_VAR: choice}
     out = subprocess.run([sys.executable, "-c", CHILD.replace("CALLS", str(CALLS))], env=env, capture_output=True,

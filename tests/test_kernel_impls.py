@@ -12,7 +12,7 @@ from k3jax.model import create_model
 from k3jax.ops import kda as ops_kda
 from k3jax.ops import moe as ops_moe
 from k3jax.optim import make_optimizer
-from k3jax.training import TrainState, make_train_step
+from k3jax.training.step import TrainState, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
 

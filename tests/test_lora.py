@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax import checkpoint
+from k3jax.training import checkpoint
 from k3jax.config import Config, ConfigError, LoRAConfig, OptimConfig, TrainConfig, load_config
 from k3jax.layers import lora
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import abstract_model, create_model
-from k3jax.training import abstract_train_state, make_train_step, new_train_state
+from k3jax.training.step import abstract_train_state, make_train_step, new_train_state
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
 
@@ -304,7 +304,7 @@ def test_lora_run_resumes_bit_exact_and_converts(tmp_path):
     bit for bit; its checkpoints hold the adapters and name the base; convert merges and exports them."""
     from test_train import SMALL, STEPS, train_env, logged_steps, train_cmd
 
-    from k3jax.run_log import read_metrics
+    from k3jax.training.run_log import read_metrics
 
     base_cfg = load_config("tiny", SMALL)
     checkpoint.save_model(tmp_path / "base" / "checkpoints", create_model(base_cfg.model, seed=4), base_cfg, step=7)

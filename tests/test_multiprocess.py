@@ -49,7 +49,7 @@ def test_two_process_training_checkpoints_and_resumes(tmp_path):
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from flax import nnx
-        from k3jax import checkpoint
+        from k3jax.training import checkpoint
         model, cfg = checkpoint.restore_model({str(run / 'checkpoints')!r})
         leaves = jax.tree.leaves(nnx.state(model))
         assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)

@@ -607,7 +607,7 @@ def _max_logits(model, batch):
 def _qk_clip_step(tau):
     """(graphdef, initial state, jitted train step, batch) of the QK_CLIP config with ``qk_clip_tau =
     tau``: one compile per tau for the module (the capping test and the unreached-tau test share one)."""
-    from k3jax.training import TrainState, make_train_step
+    from k3jax.training.step import TrainState, make_train_step
 
     cfg = load_config("tiny", QK_CLIP + [f"train.optim.qk_clip_tau={tau}"])
     model = create_model(cfg.model, seed=0)
@@ -688,7 +688,7 @@ def test_bf16_gradients_of_the_matrices():
     gradients come out in bf16 (within bf16 rounding of the float32 ones); the router and the AdamW
     leaves stay float32; the forward and the train step's loss are unchanged (the layers compute in
     bf16 either way) and its gradient norm agrees to bf16 rounding."""
-    from k3jax.training import TrainState, make_train_step
+    from k3jax.training.step import TrainState, make_train_step
 
     # Two layers: KDA with the dense FFN, MLA with the latent MoE (every kind of matrix, router included).
     overrides = QK_CLIP[:-1] + ["model.dtype=bfloat16", "model.num_layers=2"]

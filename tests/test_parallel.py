@@ -76,7 +76,7 @@ FORWARD = SETUP + textwrap.dedent("""
 TRAIN_STEP = SETUP + textwrap.dedent("""
     from k3jax.layers.initializers import RouterBias
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState, make_train_step
+    from k3jax.training.step import TrainState, make_train_step
 
     mesh_axes = ["mesh.data=2", "mesh.expert=2", "mesh.sequence=2"]
     cfg = load_config("tiny", OVERRIDES + mesh_axes + ["train.batch_size=8", "train.seq_len=64", "train.grad_accum=2",

@@ -18,13 +18,13 @@ import pytest
 
 from cpu_devices import free_port, subprocess_env, xla_flags
 from test_train import logged_steps
-from k3jax import checkpoint
+from k3jax.training import checkpoint
 from k3jax.config import load_config
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
 from k3jax.data.pipeline import make_train_dataset
 from k3jax.data.sources import BadRecordError, GuardedRecords, open_documents
 from k3jax.tokenizer import load_tokenizer
-from k3jax.run_log import read_metrics
+from k3jax.training.run_log import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # In-process runs: a one-layer tiny on short rows (the program test_train_without_eval compiles too).
@@ -36,7 +36,7 @@ SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32"
 
 
 def _train(tmp_path, name, *overrides, **kw):
-    from k3jax.trainer import train
+    from k3jax.training.trainer import train
 
     return train(load_config("tiny", ONE_LAYER + [f"train.out_dir={tmp_path / name}", *overrides]), sample_tokens=0,
                  **kw)
@@ -53,7 +53,7 @@ def _losses(run_dir):
 def test_a_failed_save_stops_the_run_keeps_the_previous_checkpoint_and_resumes(tmp_path, monkeypatch):
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-    from k3jax.trainer import train  # noqa: F401 (imported before the writer is patched)
+    from k3jax.training.trainer import train  # noqa: F401 (imported before the writer is patched)
 
     straight = _train(tmp_path, "straight", "train.steps=6")
     writer = json_checkpoint_handler.JsonCheckpointHandler._save_fn
@@ -87,7 +87,7 @@ def _nonfinite_calls(monkeypatch, bad_calls: set[int]):
     non-finite loss: the state unchanged, ``finite`` False."""
     import jax
 
-    from k3jax import trainer
+    from k3jax.training import trainer
 
     real_make = trainer.make_train_step
     calls = {"n": 0, "metrics": None}
@@ -111,7 +111,7 @@ def _nonfinite_calls(monkeypatch, bad_calls: set[int]):
 
 @pytest.mark.usefixtures("fast_xla_test")
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
-    from k3jax.trainer import DivergenceError
+    from k3jax.training.trainer import DivergenceError
 
     _nonfinite_calls(monkeypatch, {3, 5, 6, 7})  # step 3 alone is within the bound
     with pytest.raises(DivergenceError, match=r"steps 5-7: 3 consecutive updates skipped .*max_nonfinite_steps=3\)"
@@ -125,7 +125,7 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.usefixtures("fast_xla_test")
 def test_nonfinite_steps_roll_back_once_per_checkpoint(tmp_path, monkeypatch, capsys):
-    from k3jax.trainer import DivergenceError
+    from k3jax.training.trainer import DivergenceError
 
     straight = tmp_path / "straight"
     _train(tmp_path, "straight", "train.steps=6")

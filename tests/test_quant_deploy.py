@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax import checkpoint
+from k3jax.training import checkpoint
 from k3jax.config import Config, load_config
 from k3jax.interop import from_hf, hf_names, mxfp4, to_hf
 from k3jax.interop.safetensors_io import SafetensorsFile

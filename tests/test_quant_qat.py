@@ -167,7 +167,7 @@ def test_mxfp8_model_forward_and_gradient(tokens):
 def test_qat_train_step():
     from k3jax.data.pipeline import make_train_dataset
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState, make_train_step
+    from k3jax.training.step import TrainState, make_train_step
 
     cfg = config("quant.experts=mxfp4_qat", "quant.activations=mxfp8", "train.steps=2")
     model = create_model(cfg.model, seed=0)
@@ -230,7 +230,7 @@ def test_qat_fine_tuning_closes_the_quantization_gap():
     plainly fine-tuned model (PTQ)."""
     from k3jax.data.pipeline import make_train_dataset
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState, make_train_step, next_token_loss
+    from k3jax.training.step import TrainState, make_train_step, next_token_loss
 
     base = ["model.num_layers=5", "model.moe.num_shared_experts=0", "model.first_dense_layers=0"]
     pre = config(*base, "train.steps=80")
@@ -286,8 +286,8 @@ def test_qat_fine_tuning_closes_the_quantization_gap():
 
 def test_qat_fine_tuning_starts_from_another_run(tmp_path):
     """``train.init_from``: a QAT run takes its initial weights from an unquantized run's checkpoint."""
-    from k3jax import checkpoint
-    from k3jax.trainer import init_weights_from
+    from k3jax.training import checkpoint
+    from k3jax.training.trainer import init_weights_from
 
     dense = config()
     source = create_model(dense.model, seed=7)

@@ -1,4 +1,4 @@
-"""The nucleus (top-p) rule, written once in ``k3jax.sampling.nucleus`` and used by ``generate``'s
+"""The nucleus (top-p) rule, written once in ``k3jax.inference.sampling.nucleus`` and used by ``generate``'s
 ``sample_logits`` and the server's per-row ``sample_rows``: it keeps exactly the smallest set of most
 likely tokens whose probability reaches ``top_p`` (checked against a loop over the sorted tokens)."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.sampling import nucleus, sample_logits
+from k3jax.inference.sampling import nucleus, sample_logits
 
 
 def kept_by_loop(row: np.ndarray, top_p: float) -> np.ndarray:

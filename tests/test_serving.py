@@ -30,7 +30,7 @@ from cpu_devices import free_port, subprocess_env, xla_flags
 from k3jax import create_model, generate, load_config
 from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.tokenizer import ByteTokenizer
-from k3jax.sampling import sample_logits
+from k3jax.inference.sampling import sample_logits
 from k3jax.serving.engine import Engine
 from k3jax.serving.sampling import sample_rows
 from k3jax.serving.text import TextStream

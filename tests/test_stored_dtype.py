@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import infer  # noqa: E402
-from k3jax import checkpoint, create_model, load_config  # noqa: E402
+from k3jax import create_model, load_config  # noqa: E402
+from k3jax.training import checkpoint  # noqa: E402
 from k3jax.interop.hf_load import checkpoint_dtype  # noqa: E402
 from k3jax.serving.loading import load_model, weight_bytes  # noqa: E402
 

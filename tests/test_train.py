@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from cpu_devices import subprocess_env
-from k3jax import checkpoint
+from k3jax.training import checkpoint
 from k3jax.config import load_config
-from k3jax.run_log import read_metrics
+from k3jax.training.run_log import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # A two-layer tiny K3 on short rows: KDA with the dense FFN, MLA with a latent MoE (QB on), Block AttnRes
@@ -85,7 +85,7 @@ def saved_run(tmp_path_factory):
     from k3jax.data.pipeline import make_train_dataset
     from k3jax.model import create_model
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState
+    from k3jax.training.step import TrainState
 
     run = tmp_path_factory.mktemp("run")
     cfg = load_config("tiny", SMALL + [f"train.out_dir={run}"])
@@ -110,7 +110,7 @@ def _restore(cfg, directory, seed=1):
     from k3jax.data.pipeline import make_train_dataset
     from k3jax.model import create_model
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState
+    from k3jax.training.step import TrainState
 
     state = _train_state(cfg, create_model, make_optimizer, TrainState, nnx, seed=seed)
     it = iter(make_train_dataset(cfg.train))
@@ -214,7 +214,7 @@ def test_train_cli_refuses_a_schedule_jump_on_resume(saved_run, capsys):
     (["train.optim.schedule=wsd"], 300, 600, 280, False),      # inside the decay
 ])
 def test_check_schedule(optim, old, new, step, allowed):
-    from k3jax.trainer import ScheduleChangeError, check_schedule
+    from k3jax.training.trainer import ScheduleChangeError, check_schedule
 
     saved, cfg = (load_config("tiny", SMALL + optim + [f"train.steps={n}"]) for n in (old, new))
     if allowed:
@@ -229,7 +229,7 @@ def test_check_schedule(optim, old, new, step, allowed):
 def test_resuming_drops_the_metrics_of_rolled_back_steps(tmp_path):
     """After the newest checkpoint is deleted the run resumes from an older step: the records logged
     after it are dropped and the loss plot is redrawn from what remains."""
-    from k3jax.run_log import LOSS_PLOT, RunLog, plot_losses
+    from k3jax.training.run_log import LOSS_PLOT, RunLog, plot_losses
 
     log = RunLog(tmp_path, step=0, tensorboard=False)
     for step in range(1, 9):

@@ -63,7 +63,7 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from flax import nnx
-        from k3jax import checkpoint
+        from k3jax.training import checkpoint
         from k3jax.config import MeshConfig
         from k3jax.sharding import make_mesh, state_shardings
         mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2), jax.devices()[:4])
@@ -88,7 +88,7 @@ INIT_ON_TWO_MESHES = textwrap.dedent("""
     from flax import nnx
     from k3jax.config import load_config
     from k3jax.sharding import make_mesh
-    from k3jax.training import init_train_state
+    from k3jax.training.step import init_train_state
     small = sys.argv[1:]
     one, eight = load_config("tiny", small), load_config("tiny", small + ["mesh.data=2", "mesh.expert=2",
                                                                           "mesh.sequence=2"])

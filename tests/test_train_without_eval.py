@@ -7,7 +7,7 @@ import math
 import pytest
 
 from k3jax.config import load_config
-from k3jax.run_log import read_metrics
+from k3jax.training.run_log import read_metrics
 
 ONE_LAYER = ["model.num_layers=1", "train.seq_len=16", "train.batch_size=2", "train.steps=2", "train.log_every=1",
              "train.data.eval_fraction=0"]
@@ -15,7 +15,7 @@ ONE_LAYER = ["model.num_layers=1", "train.seq_len=16", "train.batch_size=2", "tr
 
 @pytest.mark.usefixtures("fast_xla_test")
 def test_a_run_without_a_held_out_split_trains_to_the_end(tmp_path, capsys):
-    from k3jax.trainer import train
+    from k3jax.training.trainer import train
 
     result = train(load_config("tiny", ONE_LAYER + [f"train.out_dir={tmp_path}"]), sample_tokens=0)
     assert not result["interrupted"] and math.isfinite(result["loss"])
@@ -28,7 +28,7 @@ def test_a_run_without_a_held_out_split_trains_to_the_end(tmp_path, capsys):
 def test_eval_every_needs_a_held_out_split(tmp_path):
     import dataclasses
 
-    from k3jax.trainer import train
+    from k3jax.training.trainer import train
 
     with pytest.raises(ValueError, match="eval_every.*eval_fraction is 0"):
         load_config("tiny", ONE_LAYER + ["train.eval_every=1"])

@@ -11,7 +11,7 @@ from flax import nnx
 from k3jax.config import VisionConfig, load_config
 from k3jax.data.images import SyntheticCaptions, make_multimodal_dataset, vision_batch
 from k3jax.tokenizer import ByteTokenizer
-from k3jax.generate import generate
+from k3jax.inference.generate import generate
 from k3jax.model import create_model
 from k3jax.vision.inputs import pack_images
 from k3jax.vision.processor import build_tokens, image_token_ids, media_mask, process_image, target_size
@@ -164,7 +164,7 @@ def test_bundled_image_caption_batches(cfg):
 @pytest.mark.slow
 def test_multimodal_train_step_updates_the_tower(cfg, model):
     from k3jax.optim import make_optimizer
-    from k3jax.training import TrainState, make_train_step
+    from k3jax.training.step import TrainState, make_train_step
 
     tc = dataclasses.replace(cfg.train, grad_accum=2)
     run_cfg = dataclasses.replace(cfg, train=tc)

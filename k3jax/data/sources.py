@@ -5,7 +5,7 @@
 - ``"bundled"``: the shipped corpus, ``k3jax/data/corpus/kjv.txt`` (King James Bible, Genesis to
   Ruth, public domain; one chapter per document).
 - a file, a directory (every file in it with a known extension, sorted) or a glob pattern; local, or a
-  URL of an object store (``gs://bucket/data/*.jsonl``; ``k3jax.storage``): JSONL records are then read
+  URL of an object store (``gs://bucket/data/*.jsonl``; ``k3jax.runtime.storage``): JSONL records are then read
   by ranged reads, parquet through fsspec, ArrayRecord files from a local cached copy.
 
 Formats, chosen by extension when ``format="auto"``:
@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k3jax import storage
+from k3jax.runtime import storage
 
 FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
 _EXTENSIONS = {

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import storage
+from k3jax.runtime import storage
 from k3jax.config import ModelConfig
 from k3jax.interop import mxfp4
 from k3jax.interop.hf_config import carried_config, check_exportable, config_to_hf

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from k3jax import storage
+from k3jax.runtime import storage
 from k3jax.config import ModelConfig
 from k3jax.interop import compressed_tensors, mxfp4
 from k3jax.interop.hf_config import HFInfo, carry_config, config_from_hf

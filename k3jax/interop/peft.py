@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from k3jax import storage
+from k3jax.runtime import storage
 from k3jax.config import LoRAConfig
 from k3jax.interop.hf_config import MODEL_TYPES, check_exportable
 from k3jax.interop.hf_names import LANGUAGE_MODEL_PREFIX, LAYER_RE, LINEAR, LINEAR_IN2, Binding, bindings, block_to_hf, \

@@ -81,7 +81,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.cache import (cache_bytes, first_rows, init_cache, keep_rows, pack_row, put_first_rows, read_block,
                          shift_slots, write_block, write_row)
-from k3jax.host_memory import keep_host_memory, keeps_host_memory
+from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, token_logprobs
 from k3jax.serving.metrics import Metrics
@@ -212,7 +212,7 @@ class Engine:
         self._scheduler = scheduler if scheduler is not None else make_scheduler()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        # Whether start() made glibc keep freed memory (k3jax/host_memory.py; stop() undoes it), else every
+        # Whether start() made glibc keep freed memory (k3jax/runtime/host_memory.py; stop() undoes it), else every
         # step page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`).
         self._sets_host_memory = False
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
@@ -387,7 +387,7 @@ class Engine:
         """Start the decode loop (once; later calls do nothing)."""
         if self._thread is not None:
             return self
-        # glibc keeps freed memory while the engine runs, unless the process already does (k3jax/host_memory.py)
+        # glibc keeps freed memory while the engine runs, unless the process already does (k3jax/runtime/host_memory.py)
         self._sets_host_memory = target_platform(self.mesh) == "cpu" and not keeps_host_memory() and keep_host_memory()
         self.warmup()
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)

@@ -2,7 +2,7 @@
 checkpoint directory written by ``train.py`` (``<run>/checkpoints``, the latest step unless
 ``step``), a run directory containing one, or a Hugging Face model directory (a ``to_hf`` /
 ``k3jax.convert`` export; MXFP4-packed experts stay packed). Any of them may be a URL
-(``gs://bucket/run``; ``k3jax/storage.py``): orbax reads checkpoints from the bucket, a Hugging Face
+(``gs://bucket/run``; ``k3jax/runtime/storage.py``): orbax reads checkpoints from the bucket, a Hugging Face
 directory is downloaded once into the local cache.
 
 Weights load in the dtype the checkpoint stores (``dtype="auto"``): a HF directory's
@@ -20,7 +20,8 @@ import pathlib
 import jax
 from flax import nnx
 
-from k3jax import checkpoint, storage
+from k3jax.runtime import storage
+from k3jax.training import checkpoint
 from k3jax.config import Config
 from k3jax.model import abstract_model
 from k3jax.tokenizer import load_tokenizer

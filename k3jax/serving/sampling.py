@@ -1,12 +1,12 @@
 """Per-row sampling for a batch of unrelated requests: each row has its own temperature, top-p and
-random key (``k3jax.sampling.sample_logits`` takes one setting for the whole batch, as ``generate``
+random key (``k3jax.inference.sampling.sample_logits`` takes one setting for the whole batch, as ``generate``
 needs). Row for row the same rule: greedy at temperature 0, else temperature, then the nucleus
-(``k3jax.sampling.nucleus``)."""
+(``k3jax.inference.sampling.nucleus``)."""
 
 import jax
 import jax.numpy as jnp
 
-from k3jax.sampling import nucleus
+from k3jax.inference.sampling import nucleus
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ import threading
 import time
 from urllib.parse import quote
 
-from k3jax import storage
+from k3jax.runtime import storage
 
 LOCK_FILE = "train.lock"
 LEASE_S = 120.0  # an object-store lock not rewritten for this long is stale (its holder is gone)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.model import K3Model
-from k3jax.sampling import sample_logits
+from k3jax.inference.sampling import sample_logits
 
 
 def generate(model: K3Model, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0,

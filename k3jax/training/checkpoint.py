@@ -13,7 +13,7 @@ mid-save leaves the previous step as the latest. A save that fails raises :class
 naming the step and the reason; one that fails to read raises :class:`CheckpointError` naming it; nothing
 is deleted or overwritten.
 
-Directories are local paths or URLs (``gs://bucket/run/checkpoints``; ``k3jax.storage``).
+Directories are local paths or URLs (``gs://bucket/run/checkpoints``; ``k3jax.runtime.storage``).
 
 Meshes: arrays are saved shard by shard (every process writes its own shards; multi-host runs need a
 directory all hosts share) and restored into whatever sharding the target asks for, so a run saved on
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from k3jax import storage
+from k3jax.runtime import storage
 from k3jax.config import Config, TrainConfig, from_dict, runtime_fields, to_dict, without_runtime_fields
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import K3Model, abstract_model
@@ -197,7 +197,7 @@ def load_base(model: K3Model, base: dict, mesh=None) -> None:
         loaded = from_hf(base["path"], dtype=jnp.dtype(model.cfg.param_dtype), mesh=placement,
                          keep_quantized=quant not in ("none", "mxfp4_qat"))
     elif base["kind"] == "seed":  # the run's random initialisation (training.init_train_state's weights)
-        from k3jax.training import init_train_state
+        from k3jax.training.step import init_train_state
 
         loaded = init_train_state(Config(model=model.cfg, train=TrainConfig(seed=base["seed"])), mesh).model
     else:

@@ -1,20 +1,20 @@
 """The training run: :func:`train` trains (or resumes) a config in its run directory.
 
 ``train.py`` is the command line around it. A run directory receives ``train.lock`` (held while
-the run is going, ``k3jax/run_lock.py``), ``config.yaml``, ``checkpoints/`` (``k3jax/checkpoint.py``),
-``metrics.jsonl``, ``tensorboard/`` and, at the end, ``loss.png`` (``k3jax/run_log.py``).
+the run is going, ``k3jax/training/run_lock.py``), ``config.yaml``, ``checkpoints/`` (``k3jax/training/checkpoint.py``),
+``metrics.jsonl``, ``tensorboard/`` and, at the end, ``loss.png`` (``k3jax/training/run_log.py``).
 
 Resuming: the latest checkpoint of the run directory is restored (model, optimizer, data position);
 metrics logged past it by an abandoned continuation are dropped; a ``train.steps`` that would move
 the learning rate at the resumed step is refused unless ``reschedule=True``
-(:func:`check_schedule`). The run directory may be a URL (``gs://bucket/run``; ``k3jax/storage.py``).
+(:func:`check_schedule`). The run directory may be a URL (``gs://bucket/run``; ``k3jax/runtime/storage.py``).
 
 Faults (docs/design.md, "Running as a pod job"):
 
 - SIGINT (Ctrl-C) or SIGTERM (a preempted spot VM, a Kubernetes eviction): the step in flight finishes,
   every process agrees on that step (an all-gather of the flag at each step boundary), saves it and
   returns ``interrupted`` with the signal's name; the same command resumes.
-- A checkpoint save that fails (disk full, permissions, network): :class:`~k3jax.checkpoint.CheckpointSaveError`
+- A checkpoint save that fails (disk full, permissions, network): :class:`~k3jax.training.checkpoint.CheckpointSaveError`
   naming the step and the reason; the previous checkpoint is intact and a partial step is never listed.
 - ``train.max_nonfinite_steps`` consecutive updates skipped by the NaN guard: :class:`DivergenceError`
   naming the steps (``train.on_nonfinite=stop``), or the weights and optimizer go back to the latest
@@ -38,19 +38,20 @@ import yaml
 from flax import nnx
 from tqdm import tqdm
 
-from k3jax import checkpoint, distributed, storage
+from k3jax.runtime import distributed, storage
+from k3jax.training import checkpoint
 from k3jax.config import Config, to_dict
 from k3jax.data.chat import chat_prompt, reply_stop_ids
 from k3jax.data.images import make_dataset
 from k3jax.data.pipeline import batch_summary
 from k3jax.tokenizer import load_tokenizer
-from k3jax.generate import generate
+from k3jax.inference.generate import generate
 from k3jax.optim import learning_rate_schedule
-from k3jax.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
-from k3jax.run_log import RunLog, plot_losses
+from k3jax.training.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
+from k3jax.training.run_log import RunLog, plot_losses
 from k3jax.sharding import abstract_with_shardings, make_mesh, shard_batch, state_shardings, use_mesh
-from k3jax.training import (TrainState, abstract_train_state, expert_imbalance_layers, init_train_state,
-                            make_eval_step, make_train_step)
+from k3jax.training.step import (TrainState, abstract_train_state, expert_imbalance_layers, init_train_state,
+                                 make_eval_step, make_train_step)
 
 DEMO_PROMPT = "In the beginning"
 DEMO_CHAT = "How many chapters does Exodus have?"  # a chat run's closing sample (the bundled chat set asks such)
@@ -181,7 +182,7 @@ def _abstract_on(cfg: Config, mesh) -> TrainState:
     return nnx.merge(graphdef, abstract_with_shardings(abstract, state_shardings(abstract, mesh)))
 
 
-def _clear_run_dir(out) -> None:
+def clear_run_dir(out) -> None:
     """Delete the run directory's contents but the lock file (its holder is this process)."""
     if not out.exists():
         return
@@ -204,9 +205,9 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
     learning-rate jump from a changed ``train.steps`` on resume (:func:`check_schedule`).
 
     Raises :class:`~k3jax.config.ConfigError` for an invalid config (one built in code, which
-    ``load_config`` did not check), :class:`~k3jax.run_lock.RunLockedError` if another process is training in the run
-    directory, :class:`~k3jax.checkpoint.CheckpointError` if its checkpoint cannot be resumed,
-    :class:`ScheduleChangeError`; while training :class:`~k3jax.checkpoint.CheckpointSaveError`,
+    ``load_config`` did not check), :class:`~k3jax.training.run_lock.RunLockedError` if another process is training in the run
+    directory, :class:`~k3jax.training.checkpoint.CheckpointError` if its checkpoint cannot be resumed,
+    :class:`ScheduleChangeError`; while training :class:`~k3jax.training.checkpoint.CheckpointSaveError`,
     :class:`DivergenceError`, :class:`~k3jax.data.sources.BadRecordError`.
     """
     cfg.validate()  # load_config validated it; a Config built or replaced in code may not be
@@ -222,7 +223,7 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
         if _agreed(refused is not None):
             raise refused or RunLockedError(f"run directory {out} is in use by another process (process 0 says)")
         if fresh and main_process:
-            _clear_run_dir(out)
+            clear_run_dir(out)
         if jax.process_count() > 1:  # nobody reads the run directory before process 0 has cleared it
             from jax.experimental import multihost_utils
 
@@ -291,7 +292,7 @@ def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_
 class _Saver:
     """Saves of the training state through one checkpoint manager; a failed save (raised by orbax when
     it is made, or, asynchronous, when the next one starts or the run waits for it) becomes a
-    :class:`~k3jax.checkpoint.CheckpointSaveError` naming the step and the reason."""
+    :class:`~k3jax.training.checkpoint.CheckpointSaveError` naming the step and the reason."""
 
     def __init__(self, mngr, cfg: Config, graphdef, data_iter, base):
         self.mngr, self.cfg, self.graphdef, self.data_iter, self.base = mngr, cfg, graphdef, data_iter, base

@@ -6,7 +6,7 @@ evaluation (``step``, ``eval_loss``). A resumed run appends after dropping the r
 the one it resumed from (logged after the last checkpoint of a killed run, or by a continuation that
 was rolled back by deleting its checkpoints); TensorBoard hides its events of those steps.
 
-The run directory may be a URL (``gs://bucket/run``, ``k3jax.storage``): an object store has no appends, so
+The run directory may be a URL (``gs://bucket/run``, ``k3jax.runtime.storage``): an object store has no appends, so
 there ``metrics.jsonl`` and the event files are rewritten whole at each flush (every logged record).
 """
 
@@ -17,7 +17,7 @@ import json
 import pathlib
 from typing import Any
 
-from k3jax import storage
+from k3jax.runtime import storage
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
