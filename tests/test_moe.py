@@ -233,6 +233,43 @@ def test_tiled_glu_grads_match_dense(case):
         assert all((np.abs(np.asarray(w[i])).max() == 0) == (sizes[i] == 0) for i in range(e))
 
 
+@pytest.mark.parametrize("case", ["random", "rows_past_sum", "odd_tile", "no_rows_routed"])
+def test_row_weights_scale_each_rows_output(case):
+    """``row_weights`` scale each row's GLU output before the down projection, which (linear) scales the
+    row's output: the CPU tiles, ``ragged_dot`` (the TPU / GPU path, run here on CPU) and the Pallas
+    grouped matmul in interpret mode, against the unweighted float64 loop, forward and gradients (the
+    weights' gradient is the row's ``<dy, y>``; every other input's, the unweighted one's with ``dy``
+    scaled)."""
+    from k3jax.ops.moe import _ragged_dot_glu
+    from pallas_kernels.moe import ragged_glu as pallas_ragged_glu
+
+    m, e, d, f, sizes, tile = RAGGED_CASES[case]
+    rng = np.random.default_rng(11)
+    xs = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    weights = jnp.asarray(rng.uniform(-1, 2, size=m), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    ref = np_ragged_glu(np.asarray(xs, np.float64), sizes, *(np.asarray(w, np.float64) for w in ws), "situ_glu")
+    real = np.arange(m)[:, None] < sum(sizes)
+
+    def unweighted(xs, ws, w):  # the reference: weights applied to the output
+        return jnp.sum(dense_ragged_glu(xs, sizes, *ws, "situ_glu") * w[:, None] * cot * real)
+
+    impls = {"tiled": functools.partial(tiled_glu, activation="situ_glu", tile=tile),
+             "ragged_dot": functools.partial(_ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
+                                             act_quant=None),
+             "pallas": functools.partial(pallas_ragged_glu, activation="situ_glu", interpret=True, backend="tpu")}
+    want = jax.jit(jax.grad(unweighted, argnums=(0, 1, 2)))(xs, ws, weights)
+    for name, fn in impls.items():
+        out = jax.jit(lambda xs, ws, w: fn(xs, gs, *ws, row_weights=w))(xs, ws, weights)
+        assert rel_err(np.asarray(out) * real, ref * np.asarray(weights)[:, None] * real) < 1e-5, name
+        got = jax.jit(jax.grad(lambda xs, ws, w: jnp.sum(fn(xs, gs, *ws, row_weights=w) * cot * real),
+                               argnums=(0, 1, 2)))(xs, ws, weights)
+        errs = jax.tree.map(rel_err, got, want)
+        assert max(jax.tree.leaves(errs)) < 1e-5, (name, errs)
+
+
 def test_tile_plan_covers_the_worst_case():
     """Any grouping of `rows` rows into E groups fits the planned tiles (checked on the layouts that
     waste the most: as many non-empty groups as possible, each one row past a multiple of the tile)."""

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import kernels
 from k3jax import quantile_balancing as qb
@@ -17,6 +18,7 @@ from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.moe import combine_experts, sigmoid_topk_route
+from k3jax.ops.saved_names import EXPERT_SUMS
 from k3jax.parallel.context import current_mesh
 from k3jax.parallel import sequence as seq_parallel
 from k3jax.parallel.expert import expert_parallel_experts
@@ -64,7 +66,7 @@ class LatentMoE(nnx.Module):
         b, t, d = x.shape
         m, dt = self.cfg, self.dtype
         xf = x.reshape(b * t, d)
-        # named scopes: the part names of k3jax.breakdown
+        # named scopes: the part names of k3jax.aot.breakdown
         with jax.named_scope("router"):
             logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
             bias = self.router_bias[...] if self.router_bias is not None else None
@@ -83,7 +85,7 @@ class LatentMoE(nnx.Module):
         if m.latent_dim:
             with jax.named_scope("latent_proj"):
                 if self.latent_norm is not None:
-                    u = self.latent_norm(u)
+                    u = self.latent_norm(checkpoint_name(u, EXPERT_SUMS))
                 y = jnp.einsum("nl,ld->nd", u.astype(dt), cast(self.up, dt))
         else:
             y = u.astype(dt)

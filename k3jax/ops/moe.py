@@ -58,6 +58,12 @@ def combine_experts(weights: jax.Array, pair_out: jax.Array) -> jax.Array:
     return jnp.einsum("nk,nkl->nl", weights, pair_out.astype(jnp.float32))
 
 
+def sum_weighted_pairs(pair_out: jax.Array) -> jax.Array:
+    """The routed-expert sum ``u [N, L]`` float32 of per-pair outputs ``[N, k, L]`` that are already
+    weighted (the expert-parallel paths weight a pair's GLU output: ``weighted_glu_output``)."""
+    return jnp.sum(pair_out.astype(jnp.float32), axis=1)
+
+
 def grouped_by_expert(x: jax.Array, experts: jax.Array, num_experts: int,
                       rows_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """The (token, selected expert) pairs sorted by expert, run through ``rows_fn``, and put back.
@@ -93,7 +99,8 @@ def grouped_glu_experts(x: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
 
 def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
-               act_quant: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+               act_quant: Callable[[jax.Array], jax.Array] | None = None,
+               row_weights: jax.Array | None = None) -> jax.Array:
     """The GLU experts over rows already grouped by expert: rows ``[0, group_sizes[0])`` go through
     expert 0, the next ``group_sizes[1]`` through expert 1, ...
 
@@ -101,20 +108,37 @@ def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: j
     ``[M, D]`` in xs's dtype. Rows past ``sum(group_sizes)`` belong to no expert (CPU returns zeros
     there; other backends may not, so callers with such rows mask them). ``act_quant`` (e.g. MXFP8
     fake quantization) is applied to the input of each matmul stage: xs and the GLU output.
+    ``row_weights`` ``[M]`` (optional): each row's GLU output is scaled by it before the down projection
+    (:func:`weighted_glu_output`), so the output is the row's weighted expert output.
     """
     if act_quant is not None:  # quantize both matmul stages' inputs (MXFP8, k3jax/quant); per row
         xs = act_quant(xs)
     kw = dict(activation=activation, beta=beta, linear_beta=linear_beta, act_quant=act_quant)
-    return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down,
-                                      cpu=functools.partial(tiled_glu, **kw),
-                                      default=functools.partial(_ragged_dot_glu, **kw))
+    if row_weights is None:
+        return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down,
+                                          cpu=functools.partial(tiled_glu, **kw),
+                                          default=functools.partial(_ragged_dot_glu, **kw))
+    return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down, row_weights,
+                                      cpu=lambda *a: tiled_glu(*a[:5], row_weights=a[5], **kw),
+                                      default=lambda *a: _ragged_dot_glu(*a[:5], row_weights=a[5], **kw))
 
 
-def _ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, linear_beta, act_quant):
+def weighted_glu_output(h: jax.Array, row_weights: jax.Array | None) -> jax.Array:
+    """The GLU output ``h [..., F]`` scaled by its row's routing weight ``row_weights [...]`` (None: as is),
+    in h's dtype. Applied before the down projection (linear, so the row's output is scaled the same),
+    the weight's gradient is ``<dh, h>``: the backward needs the GLU output, which it builds anyway,
+    and not the down projection's output, which a rematerialised layer then never recomputes."""
+    if row_weights is None:
+        return h
+    return (h.astype(jnp.float32) * row_weights[..., None].astype(jnp.float32)).astype(h.dtype)
+
+
+def _ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, linear_beta, act_quant,
+                    row_weights=None):
     """``ragged_glu`` by ``jax.lax.ragged_dot`` (xs already quantized)."""
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    h = glu(gate, up, activation, beta, linear_beta)
+    h = weighted_glu_output(glu(gate, up, activation, beta, linear_beta), row_weights)
     if act_quant is not None:
         h = act_quant(h)
     return jax.lax.ragged_dot(h, w_down, group_sizes)
@@ -142,7 +166,8 @@ def tile_plan(rows: int, num_experts: int) -> tuple[int, int]:
 
 def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               *, activation: str, beta: float = 4.0, linear_beta: float = 25.0,
-              act_quant: Callable[[jax.Array], jax.Array] | None = None, tile: int | None = None) -> jax.Array:
+              act_quant: Callable[[jax.Array], jax.Array] | None = None, tile: int | None = None,
+              row_weights: jax.Array | None = None) -> jax.Array:
     """``ragged_glu`` as padded tiles (xs already quantized): FLOPs ~ the routed rows, not rows x E.
 
     Group e's rows are cut into ``ceil(group_sizes[e] / tile)`` tiles of ``tile`` rows (the last one
@@ -175,6 +200,8 @@ def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: ja
     x = jnp.where(real[..., None], jnp.take(xs, src, axis=0, mode="clip"), jnp.zeros((), xs.dtype))  # [T, tile, D]
     w_g, w_u, w_d = (jnp.take(w, ex, axis=0, mode="clip") for w in (w_gate, w_up, w_down))  # [T, D, F], [T, F, D]
     h = glu(jnp.einsum("tsd,tdf->tsf", x, w_g), jnp.einsum("tsd,tdf->tsf", x, w_u), activation, beta, linear_beta)
+    if row_weights is not None:
+        h = weighted_glu_output(h, jnp.where(real, jnp.take(row_weights, src, axis=0, mode="clip"), 0))
     if act_quant is not None:
         h = act_quant(h)
     y = jnp.einsum("tsf,tfd->tsd", h, w_d).reshape(num_tiles * tile, w_down.shape[-1])  # [T * tile, D]

@@ -17,4 +17,10 @@ EXPERT_PAIR_OUTPUTS = "expert_pair_outputs"
 # to recompute: the attention's scores or the KDA chunk pass.
 MIXER_OUTPUTS = "mixer_outputs"
 
+# The routed experts' weighted sum ``u [N, L]`` (float32) entering Stable LatentMoE's latent norm. The
+# pairs are weighted before their down projection (k3jax/parallel/expert.py), so the norm's backward is
+# the only use of u that a layer's backward has: kept, the down projections and the return exchange are
+# not recomputed (one value per latent channel and token: a sixteenth of the pairs' outputs for K3).
+EXPERT_SUMS = "expert_sums"
+
 SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax import kernels
-from k3jax.ops.moe import combine_experts
+from k3jax.ops.moe import combine_experts, sum_weighted_pairs
 from k3jax.parallel.context import axis_size, current_mesh, spec_entry
 from k3jax.sharding import expert_mesh_axes, logical_to_spec, spec_axes, token_mesh_axes
 from pallas_kernels.platform import ACCELERATORS, target_platform
@@ -152,8 +152,8 @@ def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, 
     return _gathered_experts(z, experts, weights, glu, w_gate.shape[0], ep, tokens_split, capacity_factor, axis)
 
 
-def _glu_with_weights(glu, xs, group_sizes, w_gate, w_up, w_down):
-    return glu(xs, group_sizes, w_gate=w_gate, w_up=w_up, w_down=w_down)
+def _glu_with_weights(glu, xs, group_sizes, w_gate, w_up, w_down, row_weights=None):
+    return glu(xs, group_sizes, w_gate=w_gate, w_up=w_up, w_down=w_down, row_weights=row_weights)
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -215,6 +215,12 @@ def _exchange_experts(z, experts, weights, glu, expert_weights, ep, exchange, ca
     Dropless (``capacity_factor`` 0), the pairs go in rounds of ``DROPLESS_ROUND_FACTOR`` times the fair
     share of rows (:func:`_dropless_rounds`), as many as the busiest device needs; with a capacity
     factor, one round of that size and the rest dropped.
+
+    Each pair's routing weight travels with it and scales its GLU output before the down projection
+    (``ops.moe.weighted_glu_output``): the pairs come back weighted and a token's sum needs no weights.
+    The weights' gradient is then ``<dh, h>`` on the experts' side, so the backward pass needs neither
+    the down projections' outputs nor the return exchange, and a rematerialised layer recomputes
+    neither (weighted after the return, their gradient needed every pair's output back).
     """
     n, k = experts.shape
     num_local = expert_weights[0].shape[0]
@@ -223,6 +229,7 @@ def _exchange_experts(z, experts, weights, glu, expert_weights, ep, exchange, ca
     # The gathers of this module have in-range indices by construction: mode="clip" skips the default
     # "fill" mode's out-of-range select, a pass over (and a buffer of) every gathered row.
     sent = jnp.take(z, order // k, axis=0, mode="clip")  # [n*k, L]
+    sent_weights = jnp.take(weights.reshape(-1), order, axis=0, mode="clip")  # [n*k]
     counts = jnp.bincount(flat, length=num_local * ep).astype(jnp.int32)  # [E] pairs per expert
     all_counts = jax.lax.all_gather(counts, axis)  # [src, E]
     # where each global expert's pairs start in its sender's sorted pairs: [src, dst, e]
@@ -235,20 +242,22 @@ def _exchange_experts(z, experts, weights, glu, expert_weights, ep, exchange, ca
         # (fill_capacity), each keeping its pairs from the first senders.
         rows = capacity_rows(n * k, worst, capacity_factor)
         kept = _keep_prefix(pairs, fill_capacity(jnp.sum(pairs, axis=-1), rows))  # [dst, e, src]
-        returned = _exchange_round(sent, *expert_weights, jnp.zeros_like(kept), kept, send_starts,
+        returned = _exchange_round(sent, sent_weights, *expert_weights, jnp.zeros_like(kept), kept, send_starts,
                                    jnp.zeros_like(sent), glu=glu, exchange=exchange, axis=axis, rows=rows)
     else:
         rows = capacity_rows(n * k, worst, DROPLESS_ROUND_FACTOR)
-        returned = _dropless_rounds(glu, exchange, axis, rows, sent, *expert_weights, pairs, send_starts)
+        returned = _dropless_rounds(glu, exchange, axis, rows, sent, sent_weights, *expert_weights, pairs,
+                                    send_starts)
     pair_out = jnp.take(returned, jnp.argsort(order), axis=0, mode="clip").reshape(n, k, -1)
-    return combine_experts(weights, pair_out)
+    return sum_weighted_pairs(pair_out)
 
 
-def _exchange_round(sent, w_gate, w_up, w_down, before, count, send_starts, out, *, glu, exchange, axis, rows):
+def _exchange_round(sent, sent_weights, w_gate, w_up, w_down, before, count, send_starts, out, *, glu, exchange,
+                    axis, rows):
     """One exchange: of each sender's pairs for each (dst, local expert), the ``count [dst, e, src]``
-    after the first ``before [dst, e, src]``, sent to a ``[rows, L]`` buffer grouped by expert, run
-    through the experts and written back into ``out [n*k, L]`` (``sent``'s rows; the others keep
-    ``out``'s values)."""
+    after the first ``before [dst, e, src]``, sent with their weights ``sent_weights [n*k]`` to a
+    ``[rows, L]`` buffer grouped by expert, run through the experts (weighted) and written back into
+    ``out [n*k, L]`` (``sent``'s rows; the others keep ``out``'s values)."""
     ep = count.shape[0]
     me = jax.lax.axis_index(axis)
     # slice (src, e) starts on dst after every earlier expert's pairs and this expert's from earlier srcs
@@ -259,8 +268,10 @@ def _exchange_round(sent, w_gate, w_up, w_down, before, count, send_starts, out,
                     recv_sizes=count[me].T.reshape(-1))
     # zeros_like keeps `sent`'s device-varying type, which the collective requires of its output too
     received = exchange(sent, jnp.zeros_like(sent, shape=(rows, sent.shape[1])), **to_peers, axis_name=axis)
+    received_weights = exchange(sent_weights[:, None], jnp.zeros_like(sent_weights, shape=(rows, 1)), **to_peers,
+                                axis_name=axis)[:, 0]
     # rows past sum(group_sizes) are padding: the experts may leave anything there, and nothing reads it
-    results = glu(received, jnp.sum(count[me], axis=1), w_gate, w_up, w_down)
+    results = glu(received, jnp.sum(count[me], axis=1), w_gate, w_up, w_down, received_weights)
     back = dict(input_offsets=recv_starts[me].T.reshape(-1), send_sizes=to_peers["recv_sizes"],
                 output_offsets=(send_starts[:, me] + before[me].T).reshape(-1), recv_sizes=to_peers["send_sizes"])
     return exchange(results, out.astype(results.dtype), **back, axis_name=axis)
@@ -279,7 +290,7 @@ def _sent_before(pairs, loads, rows, r):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _dropless_rounds(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts):
+def _dropless_rounds(glu, exchange, axis, rows, sent, sent_weights, w_gate, w_up, w_down, pairs, send_starts):
     """Every pair sent, computed and returned, in rounds of ``rows`` per device (:func:`_exchange_round`):
     the buffers are ``[rows, L]`` whatever the routing, and nothing is dropped. Every device of the group
     reads every device's loads (``pairs [dst, e, src]``), so all run the same number of rounds (the
@@ -287,43 +298,47 @@ def _dropless_rounds(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pair
     only when a device's pairs exceed ``rows``. The rounds write disjoint rows, so their sum is the
     result, and the backward pass is the sum of each round's (custom VJP: a ``while_loop`` has none).
     -> ``[n*k, L]`` in ``sent``'s rows."""
-    return _dropless_rounds_fwd(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts)[0]
+    return _dropless_rounds_fwd(glu, exchange, axis, rows, sent, sent_weights, w_gate, w_up, w_down, pairs,
+                                send_starts)[0]
 
 
 def _round_of(glu, exchange, axis, rows, pairs, send_starts, r):
-    """Round ``r`` as a function of the differentiable inputs (sent, w_gate, w_up, w_down, out)."""
+    """Round ``r`` as a function of the differentiable inputs (sent, sent_weights, w_gate, w_up, w_down, out)."""
     loads = jnp.sum(pairs, axis=-1)
     before = _sent_before(pairs, loads, rows, r)
     count = _sent_before(pairs, loads, rows, r + 1) - before
     return functools.partial(_run_round, before, count, send_starts, glu=glu, exchange=exchange, axis=axis, rows=rows)
 
 
-def _run_round(before, count, send_starts, sent, w_gate, w_up, w_down, out, *, glu, exchange, axis, rows):
-    return _exchange_round(sent, w_gate, w_up, w_down, before, count, send_starts, out, glu=glu, exchange=exchange,
-                           axis=axis, rows=rows)
+def _run_round(before, count, send_starts, sent, sent_weights, w_gate, w_up, w_down, out, *, glu, exchange, axis,
+               rows):
+    return _exchange_round(sent, sent_weights, w_gate, w_up, w_down, before, count, send_starts, out, glu=glu,
+                           exchange=exchange, axis=axis, rows=rows)
 
 
-def _dropless_rounds_fwd(glu, exchange, axis, rows, sent, w_gate, w_up, w_down, pairs, send_starts):
+def _dropless_rounds_fwd(glu, exchange, axis, rows, sent, sent_weights, w_gate, w_up, w_down, pairs, send_starts):
     rounds = dropless_rounds_needed(jnp.sum(pairs, axis=-1), rows)
     first = _round_of(glu, exchange, axis, rows, pairs, send_starts, 0)
-    out, pullback = jax.vjp(lambda *a: first(*a, jnp.zeros_like(sent)), sent, w_gate, w_up, w_down)
+    inputs = (sent, sent_weights, w_gate, w_up, w_down)
+    out, pullback = jax.vjp(lambda *a: first(*a, jnp.zeros_like(sent)), *inputs)
 
     def body(carry):
         r, acc = carry
-        return r + 1, _round_of(glu, exchange, axis, rows, pairs, send_starts, r)(sent, w_gate, w_up, w_down, acc)
+        return r + 1, _round_of(glu, exchange, axis, rows, pairs, send_starts, r)(*inputs, acc)
 
     _, out = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(1), out))
-    return out, (pullback, sent, w_gate, w_up, w_down, pairs, send_starts, rounds)
+    return out, (pullback, inputs, pairs, send_starts, rounds)
 
 
 def _dropless_rounds_bwd(glu, exchange, axis, rows, res, ct):
-    pullback, sent, w_gate, w_up, w_down, pairs, send_starts, rounds = res
+    pullback, inputs, pairs, send_starts, rounds = res
+    sent = inputs[0]
     grads = pullback(ct)  # round 0, from the forward's residuals
 
     def body(carry):
         r, acc = carry
         fn = _round_of(glu, exchange, axis, rows, pairs, send_starts, r)
-        _, pull = jax.vjp(lambda *a: fn(*a, jnp.zeros_like(sent)), sent, w_gate, w_up, w_down)
+        _, pull = jax.vjp(lambda *a: fn(*a, jnp.zeros_like(sent)), *inputs)
         return r + 1, jax.tree.map(lambda x, y: (x + y).astype(x.dtype), acc, pull(ct))
 
     _, grads = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(1), grads))
@@ -344,8 +359,9 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     else:
         # Replicated tokens are gathered below with indices that differ per device; typed as
         # invariant, jax 0.10.2 transposes that gather wrongly (the gradient lands on the wrong
-        # rows), so they are made device-varying explicitly (the cotangent is then psum-ed).
-        z = jax.lax.pcast(z, axis, to="varying")
+        # rows), so they are made device-varying explicitly (the cotangent is then psum-ed); the
+        # routing weights, gathered the same way, too.
+        z, weights = (jax.lax.pcast(a, axis, to="varying") for a in (z, weights))
     m, k = experts.shape
     first = jax.lax.axis_index(axis) * num_local
     local = experts.reshape(-1) - first
@@ -361,10 +377,12 @@ def _gathered_experts(z, experts, weights, glu, num_local, ep, tokens_split, cap
     within = jnp.arange(m * k) - _exclusive_cumsum(loads)[grouped]  # place in its expert's group
     kept = (grouped < num_local) & (within < jnp.append(group_sizes, 0)[grouped])
     order = order[jnp.argsort(~kept, stable=True)[:rows]]
-    ys = glu(jnp.take(z, order // k, axis=0, mode="clip"), group_sizes)
+    # weighted before the down projection, as the exchange's pairs (_exchange_experts)
+    ys = glu(jnp.take(z, order // k, axis=0, mode="clip"), group_sizes,
+             row_weights=jnp.take(weights.reshape(-1), order, axis=0, mode="clip"))
     ys = jnp.where((jnp.arange(rows) < jnp.sum(group_sizes))[:, None], ys, jnp.zeros((), ys.dtype))
     pair_out = jnp.zeros((m * k, z.shape[1]), ys.dtype).at[order].set(ys).reshape(m, k, -1)
-    partial = combine_experts(weights, pair_out)
+    partial = sum_weighted_pairs(pair_out)
     if tokens_split:
         return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
     return jax.lax.psum(partial, axis)

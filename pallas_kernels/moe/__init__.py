@@ -1,7 +1,7 @@
 """Latent-MoE expert compute with the Pallas grouped matmul; see ``gmm.py``."""
 
 from k3jax.ops.activations import glu
-from k3jax.ops.moe import grouped_by_expert
+from k3jax.ops.moe import grouped_by_expert, weighted_glu_output
 from pallas_kernels.moe.gmm import DEFAULT_TILING, gmm, group_metadata, grouped_matmul, tgmm
 
 
@@ -23,19 +23,19 @@ def grouped_glu_experts(x, experts, w_gate, w_up, w_down, *, activation, beta=4.
 
 
 def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, linear_beta=25.0, act_quant=None,
-               tiling=None, interpret=None, backend=None, expected_rows=None):
+               tiling=None, interpret=None, backend=None, expected_rows=None, row_weights=None):
     """Drop-in for ``k3jax.ops.moe.ragged_glu`` (rows already grouped by expert) with the three
     matmuls in Pallas: xs ``[M, D]``, group_sizes ``[E]`` -> ``[M, D]``; rows past ``sum(group_sizes)``
     are zeros. The weight gradients are ``tgmm`` over the real rows only (the transpose of
     ``ragged_dot`` that XLA:TPU would lower as a dense matmul of every expert over every row).
     ``expected_rows``: the real rows expected in the buffer of M, for the cost estimates (``gmm``).
     ``act_quant`` (e.g. MXFP8 fake quantization) is applied to the input of each matmul stage, xs and
-    the GLU output, as in the reference."""
+    the GLU output, as in the reference; ``row_weights`` ``[M]`` scale the GLU output's rows, as there."""
     quantize = act_quant or (lambda a: a)
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
                                      expected_rows=expected_rows)
     xs = quantize(xs)
-    h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
+    h = weighted_glu_output(glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta), row_weights)
     return mm(quantize(h), w_down)
 
 
