@@ -85,7 +85,7 @@ def hf_kimi_linear_config(cfg, *, vocab_size: int | None = None):
 
 def torch_param_counts(model) -> dict[str, int]:
     """Total and active parameters of a torch KimiLinearForCausalLM under k3jax's rule: ``k3jax.params``'
-    counts (the formulas of ``k3jax.analytic``) of its architecture, its config read as k3jax reads an
+    counts (the formulas of ``k3jax.aot.analytic``) of its architecture, its config read as k3jax reads an
     HF checkpoint's (``interop.hf_config.config_from_hf``), checked against the torch model's own
     parameters: a total that differs raises (the two models would not be the same architecture)."""
     from k3jax.interop.hf_config import config_from_hf
@@ -95,7 +95,7 @@ def torch_param_counts(model) -> dict[str, int]:
     counts = count_params(cfg)
     numel = sum(p.numel() for p in model.parameters())
     if numel != counts["total"]:
-        raise ValueError(f"the torch model has {numel} parameters, k3jax.analytic counts {counts['total']} "
+        raise ValueError(f"the torch model has {numel} parameters, k3jax.aot.analytic counts {counts['total']} "
                          f"for its config: the architectures differ")
     return {"total": counts["total"], "active": counts["active"]}
 

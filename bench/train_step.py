@@ -32,7 +32,7 @@ so it scores ``seq_len - 1`` of them per row, k3jax ``seq_len``). Float32 everyw
 a float32 matmul peak measured in the same process (``matmul_peak``: the best of several jitted
 square matmuls): ``6 * N_active * tokens`` (forward + backward through every active weight) plus the
 token mixing that is not a weight matmul, forward + backward (3x): causal softmax attention in the MLA
-layers and KDA's chunkwise algorithm, ``k3jax.analytic.mixing_flops_per_token`` (its docstring derives
+layers and KDA's chunkwise algorithm, ``k3jax.aot.analytic.mixing_flops_per_token`` (its docstring derives
 them). The optimizer's FLOPs (Muon's Newton-Schulz iterations) are not counted.
 """
 
@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from k3jax import analytic  # noqa: E402
+from k3jax.aot import analytic  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.interop import from_hf  # noqa: E402
 from k3jax.model import create_model  # noqa: E402
@@ -77,7 +77,7 @@ def synthetic_batch(rng: np.random.Generator, batch: int, seq_len: int, vocab: i
 
 
 def model_flops_per_step(cfg, active_params: int, batch: int, seq_len: int) -> float:
-    """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs (``k3jax.analytic``) of the k3jax
+    """``6 * N_active * tokens`` + 3 x the forward mixing FLOPs (``k3jax.aot.analytic``) of the k3jax
     ``ModelConfig`` ``cfg``'s layout."""
     tokens = batch * seq_len
     mixing = sum(analytic.mixing_flops_per_token(cfg, seq_len).values())

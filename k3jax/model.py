@@ -95,7 +95,7 @@ class DecoderLayer(nnx.Module):
 
     def _mix(self, h, ctx: "_Context", cache, lora_key):
         """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
-        with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.breakdown
+        with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.aot.breakdown
             y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache, lora_key)
             return constrain_activation(y, RESIDUAL_AXES), cache, max_logits
 

@@ -1,6 +1,6 @@
 """Parameter counts of a config (nothing is built): ``python -m k3jax.params k3``.
 
-Rule (docs/design.md "Parameter counting", the formulas in ``k3jax.analytic``): *total* is every
+Rule (docs/design.md "Parameter counting", the formulas in ``k3jax.aot.analytic``): *total* is every
 parameter; *active* is what one token multiplies through, i.e. everything except the routed experts it
 does not select (only ``top_k / num_experts`` of each routed expert tensor counts) and the input
 embedding table (a lookup; counted when tied to the head). The K2 report counts the embedding as active
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3jax import analytic
+from k3jax.aot import analytic
 from k3jax.config import ModelConfig, load_config
 
 

@@ -1,26 +1,31 @@
-"""Fresh Python processes for tests: the environment they run in, a free port for them, and a script on
-``n`` fake CPU devices
-(the device count must be set before JAX starts, and the rest of the suite runs on one device)."""
+"""Fresh Python processes for tests: the environment they run in, a free port for them, and a check run on
+``n`` fake CPU devices (the device count must be set before JAX starts, and the rest of the suite runs on one
+device): a module of ``tests/children/`` (:func:`run_child`) or, for the few still written inline, a script
+(:func:`run_on_cpu_devices`). Children find this directory on their path, so they import these helpers."""
 
 import os
 import pathlib
 import socket
 import subprocess
 import sys
-import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
 
 
-# The scripts' error measure, written once. On the host in numpy: eager jnp compiles a program for every
-# leaf shape and sharding (15 of test_parallel's forward script's 73 s went to such compiles).
-RELATIVE_ERROR = textwrap.dedent("""
-    def rel(a, b):
-        \"\"\"Max over the leaves of max|a - b| / max|b|.\"\"\"
-        import jax, numpy as np
-        pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-        return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)) for x, y in pairs)
-""")
+def rel(a, b) -> float:
+    """The device checks' error measure: max over the leaves of max|a - b| / max|b|. On the host in numpy:
+    eager jnp compiles a program for every leaf shape and sharding (15 of test_parallel's forward check's
+    73 s went to such compiles)."""
+    import jax
+    import numpy as np
+
+    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)) for x, y in pairs)
+
+
+# An inline script's ``rel``: this module's (the child has ``tests/`` on its path, :func:`subprocess_env`).
+RELATIVE_ERROR = "from cpu_devices import rel\n"
 
 
 def free_port() -> int:
@@ -41,13 +46,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     optimisation passes off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, as the in-process ``fast_xla`` fixture):
     compiling the tiny model's train step takes about half the time and the values the tests compare
     are unchanged (every process of a test runs with the same setting). ``extra`` overrides."""
-    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **extra)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p))
+    env.update(extra)
+    return env
+
+
+def run_child(module: str, *args: str, n: int = 8, timeout: int = 900, **env: str) -> str:
+    """Run ``python -m children.<module> args`` (``tests/children/<module>.py``) on ``n`` fake CPU devices,
+    ``env`` added to :func:`subprocess_env`'s; it prints ``OK`` when its checks pass. Its output is returned
+    (shown on failure)."""
+    return _run([sys.executable, "-m", f"children.{module}", *args],
+                subprocess_env(**{"JAX_NUM_CPU_DEVICES": str(n), **env}), timeout)
 
 
 def run_on_cpu_devices(script: str, n: int = 8, timeout: int = 900) -> str:
     """Run ``script``, which prints ``OK`` when its checks pass; its output is returned (shown on failure)."""
-    env = subprocess_env(JAX_NUM_CPU_DEVICES=str(n))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    return _run([sys.executable, "-c", script], subprocess_env(JAX_NUM_CPU_DEVICES=str(n)), timeout)
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int) -> str:
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
     return r.stdout

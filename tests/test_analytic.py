@@ -1,4 +1,4 @@
-"""k3jax.analytic: the closed-form parameter counts equal the abstract model's leaves, part by part, for
+"""k3jax.aot.analytic: the closed-form parameter counts equal the abstract model's leaves, part by part, for
 every config and expert storage (and with LoRA adapters); the KDA FLOP formula equals what the compiled
 chunkwise op does."""
 
@@ -11,8 +11,8 @@ import jax
 import pytest
 from flax import nnx
 
-from k3jax import analytic
-from k3jax import breakdown as bd
+from k3jax.aot import analytic
+from k3jax.aot import breakdown as bd
 from k3jax.config import CONFIG_DIR, LoRAConfig, load_config
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import DecoderLayer, abstract_model
@@ -149,7 +149,7 @@ def _kda_inputs(B, T, H, K, gate):
 @pytest.mark.usefixtures("fast_xla_test")  # LLVM's optimisations only: the HLO passes are unchanged
 @pytest.mark.parametrize("T,chunk,K", [(128, 64, 32), (40, 16, 8)])
 def test_kda_flops_per_token_equal_the_compiled_chunkwise_op(T, chunk, K):
-    """Every dot of the compiled ``chunk_kda`` forward (``k3jax.breakdown``: the scan over chunks times
+    """Every dot of the compiled ``chunk_kda`` forward (``k3jax.aot.breakdown``: the scan over chunks times
     its trip count, the exact diagonal path as the costlier branch) equals the analytic count, for a
     gate that needs the exact path (softplus) and hence for the dense one too, 4 B_c K per token less.
     (At least two chunks: with one, XLA folds the product with the zero initial state away.)"""

@@ -24,8 +24,12 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax import aot  # noqa: E402
+from k3jax.aot import compiling  # noqa: E402
 from k3jax.config import MeshConfig  # noqa: E402
+from k3jax.model import abstract_model  # noqa: E402
 from k3jax.params import count_params  # noqa: E402
+from k3jax.sharding import MESH_AXES, make_mesh  # noqa: E402
+from k3jax.training.step import abstract_train_state  # noqa: E402
 
 pytestmark = pytest.mark.tpu_aot
 
@@ -54,7 +58,7 @@ def decode_result():
 
 def _state_bytes(job: aot.Job) -> int:
     cfg = job.load()
-    _, state = aot.abstract_train_state(cfg)
+    _, state = abstract_train_state(cfg)
     leaves = jax.tree.leaves(state)
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
@@ -101,9 +105,9 @@ def test_decode_step_fits_with_sharded_cache(decode_result):
     assert not r.error and r.fits, r.error
     assert r.alias_bytes > 0  # the cache is donated and updated in place
     cfg = DECODE.load()
-    cache = jax.eval_shape(lambda: aot.abstract_model(cfg.model).init_cache(DECODE.batch, DECODE.seq_len))
+    cache = jax.eval_shape(lambda: abstract_model(cfg.model).init_cache(DECODE.batch, DECODE.seq_len))
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    params = nnx.state(aot.abstract_model(cfg.model))
+    params = nnx.state(abstract_model(cfg.model))
     param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     # One sequence: its cache slots are split over the devices rather than replicated.
     assert r.argument_bytes < (param_bytes + cache_bytes) / r.num_devices * 1.6
@@ -138,7 +142,7 @@ def test_vision_train_step_compiles_with_the_tower():
     text_only = dataclasses.replace(job, overrides=job.overrides + ("model.vision.enabled=false",))
     r = aot.compile_job(job, devices=_devices(), flops=False)
     assert not r.error and r.fits, r.error
-    batch = aot.abstract_batch(aot.make_mesh(MESH, _devices()), 8, 96, vision=job.load().model.vision)
+    batch = aot.abstract_batch(make_mesh(MESH, _devices()), 8, 96, vision=job.load().model.vision)
     assert batch["image_patches"].shape == (8, 64, 3, 8, 8)
     assert _state_bytes(job) > _state_bytes(text_only)
     assert r.argument_bytes > 0.8 * _state_bytes(job) / r.num_devices
@@ -148,7 +152,7 @@ def test_plan_jobs_are_consistent():
     """Every job of the scale proof loads, uses its whole slice, and splits its batch evenly."""
     for job in aot.PLAN:
         cfg = job.load()
-        sizes = [getattr(job.mesh, a) for a in aot.MESH_AXES]
+        sizes = [getattr(job.mesh, a) for a in MESH_AXES]
         assert math.prod(sizes) == aot.TpuSlice.v5p(job.slice).num_devices, job
         if job.mode == "train":
             data = job.mesh.data * job.mesh.fsdp * job.mesh.expert
@@ -189,7 +193,7 @@ def test_hbm_budget_flag_reaches_every_plan_job_and_must_be_positive(monkeypatch
         budgets.append(job.hbm_gib)
         raise Stop
 
-    monkeypatch.setattr(aot, "compile_job", record)
+    monkeypatch.setattr(compiling, "compile_job", record)  # what the CLI calls
     for argv, want in ((["--hbm-gib", "42"], 42.0), ([], aot.PLAN[0].hbm_gib)):
         with pytest.raises(Stop):
             aot.main(argv)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxprs import equations
 from k3jax.ops import attention as attn_ops
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
@@ -148,17 +149,7 @@ def test_bfloat16_close_to_plain():
 
 def _largest_intermediate(jaxpr) -> int:
     """Elements of the largest value any equation produces, nested jaxprs (scan, cond, remat) included."""
-    best = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            best = max(best, math.prod(getattr(var.aval, "shape", ())))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    best = max(best, _largest_intermediate(sub.jaxpr))
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    best = max(best, _largest_intermediate(sub))
-    return best
+    return max(math.prod(getattr(v.aval, "shape", ())) for eqn, _ in equations(jaxpr) for v in eqn.outvars)
 
 
 def test_memory_bounded():

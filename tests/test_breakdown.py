@@ -1,4 +1,4 @@
-"""k3jax.breakdown: FLOPs / bytes of a compiled program attributed to named parts, with trip counts."""
+"""k3jax.aot.breakdown: FLOPs / bytes of a compiled program attributed to named parts, with trip counts."""
 
 import dataclasses
 
@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from k3jax import analytic
-from k3jax import breakdown as bd
+from k3jax.aot import analytic
+from k3jax.aot import breakdown as bd
 
 M, K, N = 48, 40, 24
 
@@ -244,7 +244,7 @@ def train_step_breakdown(remat: str):
         model = abstract_model(cfg.model)
         assert model.plan.num_groups == 2 and model.plan.prefix == (0,) and model.plan.suffix == (5,)
         mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-        compiled = aot._lower_train(cfg, mesh, model, DEFAULT_RULES, TRAIN_BATCH, TRAIN_SEQ).compile()
+        compiled = aot.lower_train(cfg, mesh, model, DEFAULT_RULES, TRAIN_BATCH, TRAIN_SEQ).compile()
         _TRAIN_STEPS[remat] = cfg, bd.breakdown(compiled.as_text())
     return _TRAIN_STEPS[remat]
 
@@ -268,7 +268,7 @@ def test_tiny_train_step_matches_analytic_count():
     assert b.flops.get(("lm_head_loss", "recompute"), 0.0) == 0
     assert b.part_flops("newton_schulz") == pytest.approx(expected["newton_schulz"], rel=0.02)
     # KDA's forward, exactly: its weight matmuls (the conv taps, norm gains and gate constants are not
-    # matmuls) and the chunkwise core of k3jax.analytic on its exact diagonal path (the costlier branch
+    # matmuls) and the chunkwise core of k3jax.aot.analytic on its exact diagonal path (the costlier branch
     # of the conditional, the one counted; the dense path is 4 B_c K FLOPs per head and token less)
     m = cfg.model
     n_kda, h, k = sum(m.mixer(i) == "kda" for i in range(m.num_layers)), m.kda.num_heads, m.kda.head_dim

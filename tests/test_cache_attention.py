@@ -96,7 +96,7 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     from flax import nnx
     from jax.sharding import NamedSharding
     from k3jax import create_model, load_config
-    from k3jax import breakdown as hlo_breakdown
+    from k3jax.aot import breakdown as hlo_breakdown
     from k3jax.ops.attention import chunked_attention
     from k3jax.parallel import cache_attention as ca
     from k3jax.sharding import cache_shardings, logical_to_spec, make_mesh, parse_mesh, shard_model
@@ -148,7 +148,7 @@ SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     cache_spec = NamedSharding(mesh, logical_to_spec(("batch", "cache_length", None), None, mesh, (1, S, D)))
     valid_spec = NamedSharding(mesh, logical_to_spec(("batch", "cache_length"), None, mesh, (1, S)))
 
-    def per_device(fn, t):  # (matmul FLOPs, collective bytes) of one device, loop trips applied (k3jax.breakdown)
+    def per_device(fn, t):  # (matmul FLOPs, collective bytes) of one device, loop trips applied (k3jax.aot.breakdown)
         args = (jax.ShapeDtypeStruct((1, t, H, D), jnp.float32),
                 jax.ShapeDtypeStruct((1, S, D), jnp.float32, sharding=cache_spec),
                 jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1, S), bool, sharding=valid_spec))

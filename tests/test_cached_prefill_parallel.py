@@ -23,7 +23,7 @@ from cpu_devices import RELATIVE_ERROR, run_on_cpu_devices
 SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from k3jax import breakdown as hlo_breakdown
+    from k3jax.aot import breakdown as hlo_breakdown
     from k3jax import cache as cache_lib
     from k3jax import create_model, load_config
     from k3jax.cache import KDACache

@@ -2,39 +2,13 @@
 that concurrent processes share it (two writers at once, then a reader that hits)."""
 
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from cpu_devices import ROOT, TESTS
 from k3jax.runtime import compile_cache
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-# Compiles one small function; prints "hits=<n> misses=<n> warnings=<n>".
-PROBE = r"""
-import sys, warnings
-sys.path.insert(0, sys.argv[1])
-import jax, jax.numpy as jnp
-from k3jax.runtime import compile_cache
-counts = {"hits": 0, "misses": 0}
-def listen(event, **kw):
-    if event == "/jax/compilation_cache/cache_hits":
-        counts["hits"] += 1
-    if event == "/jax/compilation_cache/cache_misses":
-        counts["misses"] += 1
-jax.monitoring.register_event_listener(listen)
-compile_cache.enable()
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    f = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T + jnp.tanh(x).sum())
-    y = f(jnp.ones((64, 64)))
-    y.block_until_ready()
-cache_warnings = [w for w in caught if "cache" in str(w.message).lower()]
-print(f"hits={counts['hits']} misses={counts['misses']} warnings={len(cache_warnings)}")
-"""
-
 
 def test_resolve_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
@@ -55,10 +29,11 @@ def test_resolve_precedence(monkeypatch, tmp_path):
 
 
 def _probe(cache_dir, extra_env=None):
+    """A process compiling one small function with the cache (``tests/children/compile_cache_probe.py``)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", K3JAX_COMPILE_CACHE=str(cache_dir),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONPATH=os.pathsep.join(map(str, (ROOT, TESTS))))
     env.update(extra_env or {})
-    return subprocess.Popen([sys.executable, "-c", PROBE, str(ROOT)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "children.compile_cache_probe"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

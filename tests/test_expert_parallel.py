@@ -200,7 +200,7 @@ def test_ragged_all_to_all_dispatch_compiles_for_tpu(v5p_expert_mesh):
     mesh = v5p_expert_mesh
     n, latent, width, num_experts, top_k = 256, 128, 256, 16, 4
 
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     def arg(shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("expert")))
@@ -257,7 +257,7 @@ def test_expert_weight_gradients_leave_as_reduce_scatters_on_tpu():
     from jax.experimental import topologies
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
     from k3jax.ops.moe import sigmoid_topk_route
     from k3jax.parallel.expert import expert_parallel_experts
 

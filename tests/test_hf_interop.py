@@ -26,7 +26,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cpu_devices import xla_flags  # noqa: E402
+from cpu_devices import TESTS, run_child  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.interop import hf_names, mxfp4  # noqa: E402
 from k3jax.interop.hf_config import HFConfigError, config_from_hf, config_to_hf  # noqa: E402
@@ -774,76 +774,14 @@ def test_mesh_placement(kimi_linear_ckpt):
         from_hf(path, mesh=mesh, rules={"vocab": "tensor"})
 
 
-_MESH_SCRIPT = r"""
-import sys
-sys.path.insert(0, sys.argv[2])
-import jax, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from k3jax.interop import from_hf
-from k3jax.interop.model_leaves import model_variables
-assert len(jax.devices()) == 4
-mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-rules = {"vocab": "model", "expert": "data", "heads": "model", "mlp": "model"}
-m = from_hf(sys.argv[1], mesh=mesh, rules=rules, overrides=["kda.chunk_size=8"])
-ref = from_hf(sys.argv[1], overrides=["kda.chunk_size=8"])
-v = model_variables(m)
-assert v[("embed",)].get_raw_value().sharding == NamedSharding(mesh, P("model", None))
-w = [x for p, x in v.items() if p[-1] == "w_gate" and x.get_raw_value().ndim == 3][0]
-assert w.get_raw_value().sharding.spec == P("data", None, None), w.get_raw_value().sharding
-for p, x in v.items():
-    np.testing.assert_array_equal(np.asarray(x.get_raw_value()), np.asarray(model_variables(ref)[p].get_raw_value()))
-print("ok")
-"""
-
-
 @pytest.mark.slow
 def test_sharded_placement_on_a_4_device_mesh(kimi_linear_ckpt):
     path, _ = kimi_linear_ckpt
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
-    out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(path), str(ROOT)], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_child("sharded_placement", str(path), n=4, timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------
 # Streaming memory and the CLI (subprocesses: a fresh process gives a clean peak-RSS figure)
-
-
-_RSS_SCRIPT = r"""
-import json, sys, threading, time
-sys.path.insert(0, sys.argv[2])
-import jax, numpy as np
-from flax import nnx
-from k3jax.interop import from_hf
-
-
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
-
-
-jax.numpy.zeros(1).block_until_ready()
-base, peak, done = rss(), [0], [False]
-
-
-def sample():
-    while not done[0]:
-        peak[0] = max(peak[0], rss())
-        time.sleep(0.002)
-
-
-th = threading.Thread(target=sample, daemon=True)
-th.start()
-m = from_hf(sys.argv[1])
-leaves = jax.tree.leaves(nnx.state(m))
-jax.block_until_ready(leaves)
-done[0] = True
-th.join()
-loaded = rss()
-size = sum(x.nbytes for x in leaves)
-del m, leaves
-print(json.dumps({"base": base, "peak": max(peak[0], loaded), "loaded": loaded, "freed": rss(), "model_bytes": size}))
-"""
 
 
 @pytest.mark.slow
@@ -859,9 +797,10 @@ def test_streaming_load_peak_rss(tmp_path):
     shards = sorted(path.glob("*.safetensors"))
     largest = max(p.stat().st_size for p in shards)
     # glibc would otherwise keep freed buffers resident and RSS would not show what is live
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path), str(ROOT)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.pathsep.join(map(str, (ROOT, TESTS)))}
+    out = subprocess.run([sys.executable, "-m", "children.load_rss", str(path)], capture_output=True, text=True,
+                         timeout=600, env=env)  # tests/children/load_rss.py
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     size = r["model_bytes"]

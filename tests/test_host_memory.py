@@ -4,30 +4,15 @@ Each case runs in a fresh process: the setting must come before ``import jax`` s
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from cpu_devices import ROOT, TESTS
 from k3jax.runtime import host_memory
 
-# A jitted function whose temporaries are one 128 MiB block (XLA:CPU allocates them per call); the
-# child reports the minor page faults of each of its calls.
-CHILD = """
-import json, resource
-import k3jax
-from k3jax.runtime import host_memory
-import jax, jax.numpy as jnp
-f = jax.jit(lambda x: jnp.sum(jnp.sin(x)[::-1] * 2.0))  # a temporary the size of x
-x = jnp.ones((32 << 20,), jnp.float32)
-faults = []
-for _ in range(CALLS):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    f(x).block_until_ready()
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"faults": faults, "keeps": host_memory.keeps_host_memory()}))
-"""
+# the child's jitted function: one 128 MiB temporary per call (tests/children/page_faults.py)
 BLOCK_PAGES = (128 << 20) // 4096
 CALLS = 12
 
@@ -36,8 +21,8 @@ def _calls(choice: str) -> dict:
     # One CPU device, whatever the test process's environment says (with several, XLA:CPU's blocks fault
     # in afresh either way: k3jax/runtime/host_memory.py)
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent), host_memory.ENV_VAR: choice}
-    out = subprocess.run([sys.executable, "-c", CHILD.replace("CALLS", str(CALLS))], env=env, capture_output=True,
+           "PYTHONPATH": os.pathsep.join(map(str, (ROOT, TESTS))), host_memory.ENV_VAR: choice}
+    out = subprocess.run([sys.executable, "-m", "children.page_faults", str(CALLS)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

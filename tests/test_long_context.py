@@ -8,16 +8,14 @@ per shard beyond the gathered latent. Bad long-context settings stop before comp
 the setting; ``python -m k3jax.aot --mode prefill`` compiles a prompt chunk into a long cache; K2's YaRN
 fields come from a checkpoint's legacy ``rope_scaling`` and match transformers past the original context.
 
-The 8-device check runs in a subprocess: the device count must be set before JAX starts.
+The 8-device check runs in a subprocess (``tests/children/long_row.py``): the device count must be set
+before JAX starts.
 """
-
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from cpu_devices import RELATIVE_ERROR, subprocess_env
+from cpu_devices import run_child
+from jaxprs import shard_map_avals
 from k3jax.config import load_config
 
 # d = 32, two layers (KDA with a dense FFN, MLA with the MoE; AttnRes blocks of 1), 3 MLA heads with 24-wide
@@ -35,116 +33,11 @@ TINY_LONG = ["model.hidden_size=32", "model.num_layers=2", "model.mla_period=2",
              "latent_norm: true, routed_scaling_factor: 1.0}",
              "model.attn_res={enabled: true, block_size: 1}"]
 
-SCRIPT = RELATIVE_ERROR + textwrap.dedent("""
-    import re, time
-    import jax, jax.numpy as jnp, numpy as np
-    from flax import nnx
-    from k3jax import load_config, create_model
-    from k3jax.config import MeshConfig
-    from k3jax.model import abstract_model
-    from k3jax.sharding import batch_sharding, make_mesh, state_shardings
-
-    OVERRIDES = %r
-    T, SP = 32768, 8  # 4096 tokens per shard
-    cfg = load_config("tiny", OVERRIDES).model
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, 256, (1, T)), jnp.int32)
-    # documents: one crossing shards 0-1, one ending exactly where shard 2 starts (8192), one starting
-    # there and crossing two more shards, short ones inside shard 4, one to the end but the padding
-    bounds = [0, 5000, 8192, 19000, 19003, 19500, 32000, T]
-    seg = np.zeros((1, T), np.int32)
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        seg[0, a:b] = i + 1
-    seg[0, 32000:] = 0  # padding
-    seg = jnp.asarray(seg)
-    graphdef, params, rest = nnx.split(create_model(cfg), nnx.Param, ...)
-
-    def loss_fn(graphdef):
-        def loss(params, rest, tokens, seg):
-            logits, _, _ = nnx.merge(graphdef, params, rest).forward(tokens, segment_ids=seg)
-            logp = jax.nn.log_softmax(logits[:, :-1])
-            nll = -jnp.sum(logp * jax.nn.one_hot(tokens[:, 1:], logits.shape[-1]), axis=-1)
-            keep = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-            return jnp.sum(nll * keep) / jnp.sum(keep), logits
-        return jax.value_and_grad(loss, has_aux=True)
-
-    t0 = time.perf_counter()
-    ref_compiled = jax.jit(loss_fn(graphdef)).lower(params, rest, tokens, seg).compile()
-    tc = time.perf_counter()
-    (ref_loss, ref_logits), ref_grads = ref_compiled(params, rest, tokens, seg)
-    jax.block_until_ready(ref_grads)
-    t1 = time.perf_counter()
-    print(f"single device: compile {tc - t0:.1f} s, run {t1 - tc:.1f} s", flush=True)
-
-    mesh = make_mesh(MeshConfig(data=1, sequence=SP))
-    with jax.set_mesh(mesh):
-        placed = [jax.device_put(params, state_shardings(params, mesh)),
-                  jax.device_put(rest, state_shardings(rest, mesh)),
-                  jax.device_put(tokens, batch_sharding(mesh)), jax.device_put(seg, batch_sharding(mesh))]
-        fn = loss_fn(nnx.split(abstract_model(cfg), nnx.Param, ...)[0])
-        jaxpr = jax.make_jaxpr(fn)(*placed).jaxpr
-        compiled = jax.jit(fn).lower(*placed).compile()
-        tc = time.perf_counter()
-        (loss, logits), grads = compiled(*placed)
-        jax.block_until_ready(grads)
-    t2 = time.perf_counter()
-    print(f"8 shards: trace + compile {tc - t1:.1f} s, run {t2 - tc:.1f} s", flush=True)
-    errs = (rel(loss, ref_loss), rel(logits, ref_logits), rel(grads, ref_grads))
-    assert errs[0] < 1e-5 and errs[1] < 2e-5 and errs[2] < 1e-4, errs
-
-    # 1. inside the shard_map bodies (the per-shard programs), no array as large as the row's expanded keys
-    mla = cfg.mla
-    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
-    expanded = T * mla.num_heads * min(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
-    assert T * latent < expanded
-
-    def avals(jaxpr, inside):
-        for eqn in jaxpr.eqns:
-            nested = inside or eqn.primitive.name == "shard_map"
-            for v in eqn.outvars:
-                if inside and hasattr(v.aval, "shape"):
-                    yield v.aval.shape
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        yield from avals(sub.jaxpr, nested)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        yield from avals(sub, nested)
-
-    shapes = set(avals(jaxpr, False))
-    # the heads dim (3) appears in no other array: full-row keys or values, whole or in blocks, would be one
-    # with at least T x heads x head_dim elements
-    per_head = sorted(s for s in shapes if mla.num_heads in s and np.prod(s) >= expanded)
-    assert not per_head, per_head
-    assert not [s for s in shapes if T in s and mla.num_heads in s], "a full-row array with a heads dim"
-    assert (1, T, latent) in shapes  # the walk does see MLA's gathered latent: the check has teeth
-
-    # 2. the compiled program's collectives: none moves a whole-row array wider than the latent (the residual
-    # stream is 32 wide, AttnRes keeps a bank of them, the MoE's tokens; all must stay on their shard)
-    hlo = compiled.as_text()
-    collectives = re.findall(r"= ([a-z0-9]+)\\[([0-9,]*)\\][^=]*? (all-gather|all-reduce|all-to-all|"
-                             r"collective-permute|reduce-scatter)(?:-start)?\\(", hlo)
-    whole_row = [(d, s, op) for d, s, op in collectives if s and np.prod([int(x) for x in s.split(",")]) > T * latent]
-    assert not whole_row, whole_row
-    # whole-row gathers: MLA's latent and the segment ids, nothing else (the router's top-k runs on each
-    # device's tokens: k3jax.parallel.sequence.on_own_tokens)
-    gathered = {(d, s) for d, s, op in collectives if op == "all-gather" and str(T) in s.split(",")}
-    assert ("f32", f"1,{T},{latent}") in gathered and gathered <= {("f32", f"1,{T},{latent}"), ("s32", f"1,{T}")}, \
-        gathered
-    print(f"OK errors {errs}; single device {t1 - t0:.1f} s, 8 shards {t2 - t1:.1f} s; "
-          f"{len(collectives)} collectives, row-length gathers {sorted(gathered)}")
-""") % (TINY_LONG,)
-
-
 @pytest.mark.slow
 def test_long_row_sequence_parallel_matches_single_device():
     # with XLA's optimisation passes (unlike the other device scripts): the 32k-token row's run time is
     # most of this test, and unfused it is several times longer
-    env = subprocess_env(JAX_NUM_CPU_DEVICES="8")
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-5000:] + r.stderr[-5000:]
-    print(r.stdout)
+    print(run_child("long_row", *TINY_LONG, timeout=1200, JAX_DISABLE_MOST_OPTIMIZATIONS="0"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,19 +207,7 @@ def test_k3_mla_shards_of_a_1m_row_hold_no_keys_or_values():
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params, jax.ShapeDtypeStruct((1, t, cfg.hidden_size), jnp.bfloat16),
                                                row, row).jaxpr
 
-    def shard_avals(jaxpr, inside):
-        for eqn in jaxpr.eqns:
-            nested = inside or eqn.primitive.name == "shard_map"
-            if inside:
-                yield from (v.aval for v in eqn.outvars if hasattr(v.aval, "shape"))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        yield from shard_avals(sub.jaxpr, nested)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        yield from shard_avals(sub, nested)
-
-    avals = list(shard_avals(jaxpr, False))
+    avals = shard_map_avals(jaxpr)
     latent_bytes = t * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 2
     nbytes = lambda a: math.prod(a.shape) * a.dtype.itemsize  # noqa: E731
     assert max(map(nbytes, avals)) == latent_bytes

@@ -6,7 +6,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -46,15 +45,6 @@ def test_two_process_training_checkpoints_and_resumes(tmp_path):
              if "loss" in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5]  # one writer: no line twice
     # Both processes' shards make one checkpoint that a single process reads back whole.
-    script = textwrap.dedent(f"""
-        import jax, numpy as np
-        from flax import nnx
-        from k3jax.training import checkpoint
-        model, cfg = checkpoint.restore_model({str(run / 'checkpoints')!r})
-        leaves = jax.tree.leaves(nnx.state(model))
-        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
-        print("steps", checkpoint.latest_step({str(run / 'checkpoints')!r}), cfg.mesh.data, cfg.mesh.fsdp)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=subprocess_env())
-    assert proc.returncode == 0 and "steps 5 2 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "children.restore_whole", str(run / "checkpoints")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=subprocess_env())
+    assert proc.returncode == 0 and "OK steps 5 2 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -16,7 +16,7 @@ from k3jax.optim import muon, newton_schulz, qk_clip
 from k3jax.config import ConfigError, OptimConfig, load_config
 from k3jax.model import abstract_model, create_model
 
-from cpu_devices import run_on_cpu_devices
+from cpu_devices import run_child
 
 MDN = optim.MDN
 
@@ -140,37 +140,10 @@ def test_cpu_block_by_block_newton_schulz_equals_the_batch(monkeypatch, shape):
     assert _sv_ratio(np.asarray(got).reshape(-1, *shape[-2:])[0]) < 3.0
 
 
-NEWTON_SCHULZ_ON_4_DEVICES = """
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from optax.contrib import MuonDimensionNumbers as MDN
-from k3jax import breakdown
-from k3jax.optim import newton_schulz
-
-# 6 stacked [64, 96] blocks stored as FSDP shards: the matrix rows split over the 4 devices
-x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 64, 96)), jnp.float32)
-dn = MDN(reduction_axis=1, output_axis=2)
-fn = jax.jit(lambda x: newton_schulz.orthogonalize_blocks([x], [dn], group_max_size=1)[0])
-want = fn(x)  # one device
-one_block = 5 * 2 * (64 * 64 * 96 + 64 * 64 * 64 + 64 * 64 * 96)  # 5 steps of X X^T, G G, G X
-for axis_type in (AxisType.Auto, AxisType.Explicit):  # the framework's meshes are Auto
-    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(axis_type,))
-    with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, P(None, "fsdp", None)))
-        got = fn(xs)
-        compiled = fn.lower(xs).compile()
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-    per_device = breakdown.breakdown(compiled.as_text()).part_flops("newton_schulz")
-    # the 6 blocks padded to 8 and split over the 4 devices: 2 blocks each, not all 6 on every device
-    assert per_device == 2 * one_block, (axis_type, per_device / one_block)
-print("OK")
-"""
-
-
 def test_newton_schulz_is_split_over_the_devices_not_repeated():
     """4 fake CPU devices holding FSDP shards of stacked blocks: each device orthogonalises its share
     of the blocks (the same values as one device), not every block."""
-    run_on_cpu_devices(NEWTON_SCHULZ_ON_4_DEVICES, n=4)
+    run_child("newton_schulz_split", n=4)
 
 
 def _v5p_mesh(slice_name: str, **axes):
@@ -209,7 +182,7 @@ def test_newton_schulz_of_fsdp_sharded_experts_is_not_replicated_on_tpu():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-8", fsdp=2, expert=2)
     layers, e, r = 4, 16, 128  # three stacked [r, r] expert weights, batched together (one block shape)
@@ -233,7 +206,7 @@ def test_newton_schulz_spread_keeps_blocks_in_their_expert_group_on_tpu():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-512", fsdp=2, expert=64, sequence=2)
     layers, e, r = 4, 384, 256
@@ -257,7 +230,7 @@ def test_stack_of_single_blocks_is_orthogonalised_once_over_the_mesh_on_tpu():
     Newton-Schulz was 61% of the optimizer's FLOPs, which were 4.2x their analytic count.)"""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-16", fsdp=8)
     layers, r, o = 2, 256, 512
@@ -326,11 +299,11 @@ def test_adamw_only_optimizer_gives_every_parameter_adams_first_step():
 
 
 def test_adamw_only_optimizer_has_no_newton_schulz_flops():
-    from k3jax import aot
+    from k3jax.aot import analytic
 
     cfg = load_config("tiny")
-    assert aot.newton_schulz_flops(cfg) > 0
-    assert aot.newton_schulz_flops(dataclasses.replace(
+    assert analytic.newton_schulz_flops(cfg) > 0
+    assert analytic.newton_schulz_flops(dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, optim=dataclasses.replace(cfg.train.optim, optimizer="adamw")))) == 0
     with pytest.raises(ConfigError, match="optimizer"):
         load_config("tiny", ["train.optim.optimizer=sgd"])
@@ -918,7 +891,7 @@ def test_stacked_experts_are_orthogonalised_several_layers_at_a_time_on_tpu():
     are 6 blocks, padded to 6."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-16", fsdp=2, expert=4)
     layers, e, r, o = 4, 12, 256, 512
@@ -943,7 +916,7 @@ def test_single_block_weights_are_spread_with_their_shape_on_tpu(monkeypatch):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from optax.contrib import MuonDimensionNumbers
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-16", fsdp=2, expert=4)
     r, o = 1024, 4096
@@ -971,7 +944,7 @@ def test_several_layers_per_step_keep_the_experts_split_on_tpu():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from k3jax import breakdown
+    from k3jax.aot import breakdown
 
     mesh = _v5p_mesh("v5p-512", fsdp=2, expert=64, sequence=2)
     layers, e, r, o = 4, 384, 2048, 7168

@@ -6,7 +6,6 @@ import math
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from k3jax.params import count_params
 from k3jax.interop.packed_experts import expert_memory, packed_config, to_packed
 from k3jax.quant.packed import MXFP4Bytes, MXFP4Weight
 
-from cpu_devices import run_on_cpu_devices, subprocess_env
+from cpu_devices import run_child, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
 
@@ -206,30 +205,7 @@ def test_packed_bytes_are_a_quarter_of_bfloat16(qat_model):
     jax.block_until_ready(nnx.state(packed))
 
 
-SHARDED = textwrap.dedent("""
-    import jax, numpy as np
-    jax.config.update("jax_disable_most_optimizations", True)
-    from k3jax import load_config, create_model
-    from k3jax.sharding import make_mesh, shard_model, batch_sharding
-    cfg = load_config('tiny', ['model.num_layers=3', 'mesh.data=2', 'mesh.fsdp=2', 'mesh.expert=2',
-                               'quant.experts=mxfp4', 'quant.activations=mxfp8'])
-    m = create_model(cfg.model)
-    tok = jax.random.randint(jax.random.key(1), (8, 24), 0, 256)
-    f = jax.jit(lambda m, t: m(t)[0])
-    ref = np.asarray(f(m, tok))
-    mesh = make_mesh(cfg.mesh)
-    shard_model(m, mesh)
-    packed = m.prefix[1].ffn.w_gate.packed[...]  # (E, F, L/2): experts over `expert`, L/2 over `fsdp`
-    assert packed.sharding.spec == jax.sharding.PartitionSpec('expert', None, 'fsdp'), packed.sharding.spec
-    with jax.set_mesh(mesh):  # expert parallelism: packed experts dequantized per device, MXFP8 inputs
-        out = np.asarray(f(m, jax.device_put(tok, batch_sharding(mesh))))
-    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
-    assert err < 1e-5, err
-    print('OK', err)
-""")
-
-
 def test_packed_experts_under_expert_parallelism():
     """8 fake CPU devices: a packed MXFP4 + MXFP8 model sharded (data, fsdp, expert) computes what it
     computes on one device."""
-    run_on_cpu_devices(SHARDED)
+    run_child("packed_experts_sharded")

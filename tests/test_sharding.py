@@ -1,7 +1,4 @@
-"""Sharding rules and meshes on 8 fake CPU devices (run in a subprocess: the device count must be
-set before JAX starts, and the rest of the suite runs on one device)."""
-
-import textwrap
+"""Sharding rules and meshes; a sharded forward on 8 fake CPU devices (``tests/children/sharded_forward.py``)."""
 
 import jax
 
@@ -11,33 +8,11 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config import MeshConfig
 from k3jax.sharding import DEFAULT_RULES, logical_to_spec
 
-from cpu_devices import run_on_cpu_devices
-
-SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from k3jax import load_config, create_model
-    from k3jax.sharding import make_mesh, shard_model, batch_sharding
-    cfg = load_config('tiny', ['model.num_layers=5', 'mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'])
-    m = create_model(cfg.model)
-    tok = jax.random.randint(jax.random.key(1), (4, 24), 0, 256)
-    f = jax.jit(lambda m, t: m(t)[0])
-    ref = np.asarray(f(m, tok))
-    mesh = make_mesh(cfg.mesh)
-    shard_model(m, mesh)
-    w = m.prefix[0].ffn.w_gate[...]  # dense FFN (d, F)
-    assert w.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor'), w.sharding.spec
-    assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape == (32, 96)
-    with jax.set_mesh(mesh):
-        out = np.asarray(f(m, jax.device_put(tok, batch_sharding(mesh))))
-    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
-    assert err < 1e-5, err
-    print('OK', err)
-""")
-
+from cpu_devices import run_child
 
 @pytest.mark.slow
 def test_sharded_forward_matches_single_device():
-    run_on_cpu_devices(SCRIPT)
+    run_child("sharded_forward")
 
 
 def test_logical_rules_first_free_axis():
@@ -114,7 +89,8 @@ def test_gathered_weight_gradient_is_reduce_scattered_on_tpu():
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from k3jax import aot, breakdown
+    from k3jax import aot
+    from k3jax.aot import breakdown
     from k3jax.sharding import gather_weight, make_mesh
 
     try:

@@ -49,7 +49,7 @@ def orthogonalize_blocks(xs: Sequence[jax.Array], dim_nums: Sequence[MDN], *, ns
             x = a * x + jnp.einsum("...ij,...jk->...ik", g, x)
         return x
 
-    @jax.named_scope("newton_schulz")  # a part name of k3jax.breakdown
+    @jax.named_scope("newton_schulz")  # a part name of k3jax.aot.breakdown
     def newton_schulz(x):  # [batch, r, o] with r <= o: NS over the trailing two axes, per block
         x, unspread = _spread_blocks(x)
         norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True))

@@ -20,7 +20,7 @@ on v5p-128: 32x the MLA's FLOPs and 3.6 PB of all-reduce per device). Here the l
 The choice (:func:`choose_split`) is by bytes a device moves: the split-queries gather of the cache,
 ``S · D`` elements, against the split-keys traffic, the queries gathered to every device
 (``T · H · D``) plus the float32 partials' all-reduce (``2 · T · H · (Dv + 2)`` words: output, lse and
-max; an all-reduce counts twice, as ``k3jax.breakdown`` counts it). Split queries needs T divisible by
+max; an all-reduce counts twice, as ``k3jax.aot.breakdown`` counts it). Split queries needs T divisible by
 the slot shards. A decode step (T = 1) always splits keys; K3's 16K-token chunk into a 1M-slot cache
 splits queries (1.2 GB gathered against 8.3 GB of queries and partials); a small model's short
 chunks split keys.

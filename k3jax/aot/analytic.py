@@ -1,12 +1,12 @@
 """The analytic cost model of a config: parameters and forward FLOPs per token, per part, from the config alone.
 
 The one home of these formulas: ``k3jax.params`` (the counts), ``k3jax.aot`` (model FLOPs, Newton-Schulz),
-``k3jax.breakdown`` (the analytic column of its table), ``bench/train_step.py`` / ``bench/gpu.py``
+``k3jax.aot.breakdown`` (the analytic column of its table), ``bench/train_step.py`` / ``bench/gpu.py``
 (achieved FLOP/s) and the tests use them. Nothing is built: the counts are closed forms of the
 ``ModelConfig`` fields (``tests/test_analytic.py`` checks them against the abstract model's leaves for
 every config in ``configs/``, with dense and quantized experts and with LoRA adapters).
 
-**Parts** are ``k3jax.breakdown.PARTS``' names (the ``jax.named_scope`` names the model puts on its
+**Parts** are ``k3jax.aot.breakdown.PARTS``' names (the ``jax.named_scope`` names the model puts on its
 work), plus ``lora`` for LoRA adapters. A decoder layer's ``attn_norm`` belongs to its mixer, its
 ``ffn_norm`` to its router (a dense layer's to ``dense_ffn``), its AttnRes mixes and the final readout
 to ``attn_res``, ``final_norm`` and ``lm_head`` to ``lm_head_loss``, MoonViT and its projector to
@@ -53,7 +53,7 @@ weights skip their weight gradients, which this convention does not model.
   In all ``6 C K + 4 C V + 6 K V`` plus the inverse; a gate that does not guarantee the dense diagonal
   sub-tiles (anything but ``gate=lower_bound`` with ``B_c * gate_lower_bound >= -80``) also runs the
   exact path's anchored scores between its 4-row blocks, ``4 B_c K`` more (the elementwise products
-  inside the blocks are not matmuls). ``k3jax.breakdown`` counts exactly these on the compiled op
+  inside the blocks are not matmuls). ``k3jax.aot.breakdown`` counts exactly these on the compiled op
   (it counts a conditional's costlier branch: the exact path). For K3 (``C = 64``, ``K = V = 128``,
   dense) that is 188,416 FLOPs per head and token. **Decode** is one recurrent step: ``k^T S``, the
   rank-1 update and ``q^T S``, ``6 K V``.

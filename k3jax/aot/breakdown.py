@@ -509,7 +509,7 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
 
 
 def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: int = 1) -> str:
-    """Markdown: part, FLOPs by phase, share, analytic FLOPs (all devices', ``k3jax.analytic.step_flops``)
+    """Markdown: part, FLOPs by phase, share, analytic FLOPs (all devices', ``k3jax.aot.analytic.step_flops``)
     and the ratio (all per device)."""
     analytic = analytic or {}
     total = b.total_flops or 1.0

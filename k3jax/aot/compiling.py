@@ -1,0 +1,326 @@
+"""Lowering and compiling a job for its slice from abstract (``ShapeDtypeStruct``) arguments that carry
+the rule-derived shardings, under an HBM budget, and the step's FLOPs.
+
+Fitting: every program is compiled with libtpu held to an HBM budget per device
+(``xla_tpu_max_hbm_size_mib``; the device's HBM, or ``--hbm-gib``). The compiler refuses a program
+it cannot fit in it (``RESOURCE_EXHAUSTED``), reported as "does not fit" with the size it asked for; a
+program it accepts fits. ``compiled.memory_analysis()`` gives per-device argument / output / alias /
+temp bytes, shown beside the verdict. For large programs its temp figure counts more than the
+compiler's own check does: the optimizer update of full K3 alone compiles under a 68.4 GiB budget
+(and is refused under 64.9) while memory_analysis reports 73.1 GiB of arguments and temporaries, and
+its preallocated temporary buffer (``--xla-dump``'s buffer assignment) is 12.5 GiB where it reports
+21.4. The difference is not in the dumps; the budget is the compiler's verdict.
+
+FLOPs: ``compiled.cost_analysis()['flops']`` is per device and counts the body of every loop once
+(a ``lax.scan`` over the K3 layer groups runs 22 times but is counted once). The step's FLOPs are
+therefore ``devices * (F + (G - 1) * F_group)``, with ``F_group = F - F_no_groups`` measured by
+compiling the same step for the model without its scanned group stack. The optimizer's
+Newton-Schulz of a stacked weight runs in a loop over its layers, so this multiplies it correctly
+only when a loop step orthogonalises one layer (``newton_schulz.layers_per_step``); with several
+per step it over-counts it by that number (``--breakdown`` applies every loop's trip count instead).
+The elementwise optimizer work of the stacked weights, under 0.1%, is over-counted.
+Gradient accumulation is one more loop: with ``grad_accum = A > 1`` the FLOPs come from the step
+compiled for one micro-batch (``A = 1``, the same per-device shapes) as ``A * micro - (A - 1) * NS``
+(the optimizer runs once per step; NS, its Newton-Schulz, counted analytically); a program already
+compiled in the process (e.g. that micro-batch step as a job of its own) is not compiled again. The
+memory figures are always those of the real accumulating step. Loops inside a layer are still counted
+once: the chunked KDA's scan over chunks (its inter-chunk state recurrence, under 1% of a KDA layer)
+and blockwise attention over more than one key block.
+``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
+FLOPs; the ratio shows recompute (remat), attention, routing, the expert-parallel buffers' padding
+and the optimizer; the Newton-Schulz part of it is counted analytically and shown separately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from k3jax.aot import analytic
+from k3jax.aot import breakdown as hlo_breakdown
+from k3jax.aot.analytic import newton_schulz_flops
+from k3jax.aot.plan import Job
+from k3jax.aot.slices import GIB, TpuSlice
+from k3jax.config import Config, VisionConfig
+from k3jax.data.images import IMAGE_KEY_PREFIX
+from k3jax.model import K3Model, abstract_model
+from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
+                            batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding,
+                            state_shardings)
+from k3jax.training.step import abstract_train_state, make_train_step
+
+_BATCH_DTYPES = {"loss_mask": jnp.float32}  # the data pipeline's dtypes; the rest are int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Per-device memory (bytes) and FLOPs of one compiled job; ``error`` set when it did not fit."""
+
+    job: Job
+    mesh_shape: dict
+    num_devices: int
+    hbm_bytes: int  # the device's HBM
+    hbm_limit_bytes: int = 0  # the budget the compiler was held to (0: none, e.g. not a TPU target)
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
+    step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring); 0 = not measured
+    model_flops: float = 0.0  # 6 (train; 4 + adapters for LoRA) or 2 (decode) * N_active * tokens (analytic.model_flops)
+    ns_flops: float = 0.0  # of step_flops: the optimizer's Newton-Schulz iterations (analytic count)
+    compile_seconds: float = 0.0
+    error: str = ""
+    breakdown: hlo_breakdown.Breakdown | None = None  # per device, from the optimized HLO (--breakdown)
+    # the same with the data-dependent loops not run (the dropless exchange's overflow rounds); None: none
+    breakdown_no_overflow: hlo_breakdown.Breakdown | None = None
+    analytic: dict | None = None  # all devices' analytic FLOPs per part (k3jax.aot.analytic.step_flops)
+
+    @property
+    def total_bytes(self) -> int:
+        """What one device holds at the peak: arguments + outputs - donated (aliased) + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Compiled under a budget no larger than the device's HBM (module docstring); without a budget,
+        memory_analysis's total against the HBM."""
+        if self.error:
+            return False
+        return 0 < self.hbm_limit_bytes <= self.hbm_bytes or self.total_bytes <= self.hbm_bytes
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.step_flops / self.model_flops if self.model_flops else float("nan")
+
+    @property
+    def tokens(self) -> int:
+        per_row = {"train": self.job.seq_len, "decode": 1, "prefill": self.job.prefill_chunk or self.job.seq_len}
+        return self.job.batch * per_row[self.job.mode]
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract state, batches and caches
+
+
+def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES,
+                   vision: VisionConfig | None = None) -> dict:
+    """The training batch as sharded ShapeDtypeStructs: the text arrays ``[batch, seq_len]`` and, for
+    an enabled vision tower, the packed-image arrays of ``k3jax.data.images`` (``vision.max_patches``
+    patch slots per row), split along the batch only."""
+    shape = (batch, seq_len)
+    out = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(k, jnp.int32),
+                                   sharding=named_sharding(mesh, batch_array_axes(k, len(shape)), shape, rules))
+           for k in TEXT_BATCH_KEYS}
+    if vision is not None and vision.enabled:
+        p, m, side = vision.max_patches, vision.merge_size, vision.patch_size
+        merged = p // (m * m)
+        fields = {"patches": ((batch, p, 3, side, side), jnp.float32), "merge_index": ((batch, merged, m * m), jnp.int32),
+                  "merged_valid": ((batch, merged), jnp.bool_),
+                  **{f: ((batch, p), jnp.int32) for f in ("segment_ids", "rows", "cols", "grid_h", "grid_w")}}
+        for name, (shp, dtype) in fields.items():
+            key = IMAGE_KEY_PREFIX + name
+            out[key] = jax.ShapeDtypeStruct(shp, dtype, sharding=named_sharding(mesh, batch_array_axes(key, len(shp)), shp,
+                                                                                rules))
+    return out
+
+
+def without_groups(model: K3Model) -> K3Model:
+    """The abstract model with its scanned layer stack removed (prefix and suffix layers, embedding and
+    head unchanged): the baseline that isolates one group's FLOPs."""
+    model.groups = None
+    model.plan = dataclasses.replace(model.plan, num_groups=0)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                code_bytes=m.generated_code_size_in_bytes)
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+# Per-device FLOPs of each program compiled in this process, by (target, program text): the FLOP
+# count's extra compiles (one micro-batch, no layer stack) are often a program compiled before (a job
+# without accumulation, the same model's baseline), and topology executables cannot be kept in the
+# persistent cache (``_no_persistent_cache``).
+_FLOPS_BY_PROGRAM: dict[tuple, float] = {}
+
+
+def _program_key(lowered, mesh) -> tuple:
+    device = mesh.devices.flat[0]
+    text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    return getattr(device, "device_kind", device.platform), mesh.size, text
+
+
+def _compiled_flops(lowered, mesh) -> float:
+    key = _program_key(lowered, mesh)
+    if key not in _FLOPS_BY_PROGRAM:
+        with _no_persistent_cache():
+            _FLOPS_BY_PROGRAM[key] = _flops(lowered.compile())
+    return _FLOPS_BY_PROGRAM[key]
+
+
+OOM_DETAIL_LINES = 80  # of libtpu's out-of-memory report, which lists the largest allocations
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|exceeds available HBM", re.I)
+
+
+def _oom_summary(err: Exception) -> str:
+    """The compiler's own words on how much it needed (first line of the error)."""
+    text = str(err)
+    m = re.search(r"(Ran out of memory in memory space hbm[^.]*\.|[^\n]*exceeds available HBM[^\n]*)", text)
+    return (m.group(1) if m else text.splitlines()[0])[:400]
+
+
+def job_model(cfg: Config, mode: str) -> K3Model:
+    """The abstract model a job compiles: a training job of a LoRA config (``train.lora``) carries its
+    adapters (the state then trains only them, over the frozen weights); inference jobs never do
+    (adapters are merged into the weights before serving)."""
+    return abstract_model(cfg.model, lora=cfg.train.lora if mode == "train" else None)
+
+
+def lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    """The train step of ``cfg`` for ``model`` lowered on ``mesh`` from abstract, rule-sharded state and batch
+    (``batch`` rows of ``seq_len`` tokens), the state donated: what :func:`compile_job` compiles."""
+    graphdef, state = abstract_train_state(cfg, model)
+    state_sh = state_shardings(state, mesh, rules)
+    args = (abstract_with_shardings(state, state_sh), abstract_batch(mesh, batch, seq_len, rules, cfg.model.vision))
+    step = make_train_step(graphdef, cfg)
+    step = getattr(step, "__wrapped__", step)  # re-jit the same function with explicit shardings
+    batch_sh = {k: v.sharding for k, v in args[1].items()}
+    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                     donate_argnums=0)
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int, new_tokens: int = 1):
+    """``new_tokens`` per row (1: a decode step; more: a prefill chunk) against a cache of ``seq_len`` slots."""
+    graphdef, state = nnx.split(model)
+    state_sh = state_shardings(state, mesh, rules)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, seq_len))
+    cache_sh = cache_shardings(cache, mesh, rules)
+    tok_sh = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh, (batch, new_tokens)))
+    logits_sh = NamedSharding(mesh, logical_to_spec(("batch", "vocab"), rules, mesh, (batch, cfg.model.vocab_size)))
+
+    def decode_step(state, cache, tokens):
+        """tokens ``[B, new_tokens]`` -> (last logits ``[B, V]`` float32, updated cache)."""
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+        return logits[:, -1], cache
+
+    jitted = jax.jit(decode_step, in_shardings=(state_sh, cache_sh, tok_sh), out_shardings=(logits_sh, cache_sh),
+                     donate_argnums=1)
+    args = (abstract_with_shardings(state, state_sh), abstract_with_shardings(cache, cache_sh),
+            jax.ShapeDtypeStruct((batch, new_tokens), jnp.int32, sharding=tok_sh))
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: float, ns_flops: float,
+                log) -> float:
+    """All devices' FLOPs of one step with the loop trip counts applied (module docstring).
+
+    With gradient accumulation the micro-batch loop is one more loop XLA counts once, so the FLOPs
+    come from the step compiled for one micro-batch (``grad_accum=1``; same per-device shapes):
+    ``A * micro - (A - 1) * NS``, the optimizer (Newton-Schulz, analytic) running once per step."""
+    accum = cfg.train.grad_accum if job.mode == "train" else 1
+    batch = job.batch // accum
+    if accum > 1:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
+        log(f"  grad_accum={accum}: compiling one micro-batch's step for the FLOPs")
+        per_device = _compiled_flops(lower(cfg, mesh, job_model(cfg, job.mode), rules, batch, job.seq_len), mesh)
+    groups = job_model(cfg, job.mode).plan.num_groups
+    if groups > 1:
+        log(f"  {groups} scanned groups: compiling the step without them for the per-group FLOPs")
+        baseline = lower(cfg, mesh, without_groups(job_model(cfg, job.mode)), rules, batch, job.seq_len)
+        per_device += (groups - 1) * (per_device - _compiled_flops(baseline, mesh))
+    return accum * per_device * mesh.size - (accum - 1) * ns_flops
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """Topology executables cannot be loaded back without a TPU client, and full-K3 ones are large:
+    keep them out of the persistent compilation cache (``k3jax.runtime.compile_cache``)."""
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
+
+
+def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
+                devices=None, hbm_limit_bytes: int | None = None, log=print) -> Result:
+    """Lower and compile ``job`` for its slice, with the compiler held to ``hbm_limit_bytes`` per
+    device (default: the device's HBM; module docstring); with ``flops``, one more compile without the
+    layer stack gives the step's FLOPs with the loop trip counts applied. With ``breakdown`` the
+    optimized HLO is attributed to the model's parts instead (``k3jax.aot.breakdown``: matmul FLOPs with
+    trip counts, kernels included, HBM and collective bytes), which needs no second compile."""
+    cfg = job.load()
+    tpu = TpuSlice.v5p(job.slice)
+    mesh = make_mesh(job.mesh, tpu.devices() if devices is None else devices)
+    if mesh.devices.flat[0].platform != "tpu":
+        limit = 0  # the budget is a libtpu option
+    elif hbm_limit_bytes is not None:
+        limit = hbm_limit_bytes
+    else:
+        limit = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
+    base = dict(job=job, mesh_shape={a: mesh.shape[a] for a in MESH_AXES if mesh.shape[a] > 1},
+                num_devices=mesh.size, hbm_bytes=tpu.hbm_bytes, hbm_limit_bytes=limit)
+    options = {"xla_tpu_max_hbm_size_mib": limit // 2**20} if limit else {}
+    lower = {"train": lower_train, "decode": lower_decode,
+             "prefill": functools.partial(lower_decode, new_tokens=job.prefill_chunk or job.seq_len)}[job.mode]
+    t0 = time.perf_counter()
+    try:
+        lowered = lower(cfg, mesh, job_model(cfg, job.mode), rules, job.batch, job.seq_len)
+        log(f"  lowered in {time.perf_counter() - t0:.0f} s; compiling")
+        with _no_persistent_cache():
+            compiled = lowered.compile(options)
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is a result
+        if not _OOM.search(str(e)):
+            raise
+        log("  " + "\n  ".join(str(e).splitlines()[:OOM_DETAIL_LINES]))  # the largest allocations
+        return Result(**base, compile_seconds=time.perf_counter() - t0, error=_oom_summary(e))
+    seconds = time.perf_counter() - t0
+    per_device = _flops(compiled)
+    if flops and not breakdown:
+        _FLOPS_BY_PROGRAM[_program_key(lowered, mesh)] = per_device
+    result = Result(**base, **_memory(compiled), compiled_flops=per_device, compile_seconds=seconds)
+    text = compiled.as_text() if breakdown else ""
+    parts = hlo_breakdown.breakdown(text) if breakdown else None
+    no_overflow = hlo_breakdown.breakdown(text, 0) if parts is not None and parts.data_dependent_loops else None
+    del compiled, lowered, text
+    model_flops = analytic.model_flops(cfg, result.tokens, job.mode)
+    ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
+    step_flops = 0.0
+    if parts is not None:
+        step_flops = parts.total_flops * mesh.size
+        expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.mode)  # Newton-Schulz included
+        result = dataclasses.replace(result, breakdown=parts, analytic=expected, breakdown_no_overflow=no_overflow)
+    elif flops:
+        step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
+    return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
+
+
+__all__ = ["Result", "abstract_batch", "compile_job", "job_model", "lower_decode", "lower_train",
+           "without_groups"]

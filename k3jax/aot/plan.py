@@ -1,0 +1,74 @@
+"""A job (one program to compile: config, mode, slice, mesh, batch) and the PLAN of the scale proof
+(``python -m k3jax.aot`` without ``--config``; docs/scale.md holds its table)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from k3jax.config import Config, MeshConfig, load_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program to compile. ``batch`` is the global number of rows; ``seq_len`` is tokens per row
+    (train) or the cache length, i.e. the context (decode)."""
+
+    config: str
+    mode: Literal["train", "decode", "prefill"]
+    slice: str
+    mesh: MeshConfig
+    batch: int
+    seq_len: int
+    overrides: tuple[str, ...] = ()
+    note: str = ""
+    hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
+    prefill_chunk: int = 0  # prefill: prompt tokens per row and call (0: the whole context in one call)
+
+    def load(self) -> Config:
+        return load_config(self.config, list(self.overrides))
+
+
+# The scale proof (docs/scale.md). Train: full K3 (float32 master weights, bf16 Muon momentum, AdamW
+# for embeddings / norms / gates) on the smallest v5p slice it fits, 4096-token rows split over 4
+# sequence shards, remat per layer, expert-parallel buffers at twice the fair share (QB keeps the
+# busiest expert near 1.2x); dense weights FSDP over fsdp x sequence x expert, routed experts over
+# expert x fsdp x sequence. Decode: one 1M-token sequence from bf16 weights, and from MXFP4 experts
+# (the release's format) on half the slice.
+_K3_TRAIN = ("model.remat=full", "model.moe.ep_capacity_factor=2.0", "train.optim.muon_dtype=bfloat16")
+# K2 (no KDA, fewer experts per token) has the memory to keep the expert and attention outputs instead
+# of recomputing them (1.33x instead of 1.64x the model FLOPs), once its expert buffers are cut to
+# 1.25x the fair share (QB's busiest expert sits near 1.1-1.2x; `expert_imbalance` reports it per layer)
+_K2_TRAIN = ("model.remat=selective", "model.moe.ep_capacity_factor=1.25", "train.optim.muon_dtype=bfloat16")
+_K3_LORA = ("train.lora.rank=16", "train.lora.targets=[mla,kda,shared]", "quant.experts=mxfp4",
+            "model.param_dtype=bfloat16", "model.remat=full", "model.moe.ep_capacity_factor=2.0")
+PLAN: tuple[Job, ...] = (
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", *_K3_TRAIN)),
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", *_K3_TRAIN, "model.vision.enabled=true", "model.vision.max_patches=4096"),
+        note="+ MoonViT, 1024 image tokens per row"),
+    # 16M tokens per step: 16 micro-batches of the row above; bf16 gradients keep the micro-batch
+    # accumulator at the size of one copy of the gradients in bf16 (float32: 109 GiB, does not fit)
+    Job("k3", "train", "v5p-2048", MeshConfig(data=1, fsdp=4, expert=64, sequence=4), batch=4096, seq_len=4096,
+        overrides=("train.batch_size=4096", "train.grad_accum=16", "train.grad_dtype=bfloat16", *_K3_TRAIN),
+        note="16 micro-batches, bf16 gradients"),
+    # the same step on half the chips, held to 90 GiB per device (headroom under the 95.74): capacity 1.25, the in-place
+    # optimizer and unhoisted weight casts (docs/scale.md)
+    Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=2, expert=64, sequence=4), batch=256, seq_len=4096,
+        overrides=("train.batch_size=256", "model.remat=full", "model.moe.ep_capacity_factor=1.25",
+                   "train.optim.muon_dtype=bfloat16"), note="capacity 1.25", hbm_gib=90),
+    Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
+        overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
+    Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
+        overrides=("model.param_dtype=bfloat16", "quant.experts=mxfp4"), note="MXFP4 experts"),
+    Job("k2", "train", "v5p-512", MeshConfig(data=1, fsdp=2, expert=64, sequence=2), batch=128, seq_len=4096,
+        overrides=("train.batch_size=128", *_K2_TRAIN), note="selective remat, capacity 1.25"),
+    # LoRA fine-tuning of the release: the routed experts frozen in MXFP4 and the rest frozen in bf16 (no
+    # optimizer state, no weight gradients), rank-16 adapters on MLA, KDA and the shared experts in float32
+    Job("k3", "train", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=64, seq_len=4096,
+        overrides=("train.batch_size=64", *_K3_LORA), note="LoRA r16, frozen MXFP4 experts + bf16"),
+)
+
+
+__all__ = ["PLAN", "Job"]

@@ -1,0 +1,101 @@
+"""What a compile reports: the Markdown table of results (per-device memory, step FLOPs, the compiler's
+verdict) and the per-part breakdown with its ratios and collective time at ICI bandwidth."""
+
+from __future__ import annotations
+
+from k3jax.aot import analytic
+from k3jax.aot import breakdown as hlo_breakdown
+from k3jax.aot.compiling import Result
+from k3jax.aot.slices import GIB, V5P_ICI_BYTES_PER_S, V5P_PEAK_FLOPS
+
+
+def breakdown_report(r: Result) -> tuple[str, dict]:
+    """The per-part table (per device) and its JSON, with the step's ratios and the time of its
+    collectives at v5p ICI bandwidth next to its compute at peak."""
+    b, n = r.breakdown, r.num_devices
+    ns = b.part_flops("newton_schulz")
+    model = r.model_flops / n
+    attention = sum(analytic.mixing_flops_per_token(r.job.load().model, r.job.seq_len, r.job.mode).values())
+    attention *= analytic.STEP_FACTOR[r.job.mode] * r.tokens / n
+    compute_s = b.total_flops / V5P_PEAK_FLOPS
+    comm_s = sum(b.collective_bytes.values()) / V5P_ICI_BYTES_PER_S
+    summary = {
+        "flops_per_device": b.total_flops, "model_flops_per_device": model,
+        "ratio_without_ns": (b.total_flops - ns) / model if model else float("nan"),
+        "ratio_without_ns_with_attention": (b.total_flops - ns) / (model + attention) if model else float("nan"),
+        "ns_flops_per_device": ns, "ns_analytic_per_device": r.ns_flops / n,
+        "ns_ratio": ns / (r.ns_flops / n) if r.ns_flops else float("nan"),
+        "attributed_share": b.attributed_share,
+        "compute_s_at_peak": compute_s, "collective_s_at_ici": comm_s,
+        "collective_bytes": dict(b.collective_bytes), "memory_gib": r.total_bytes / GIB,
+        "data_dependent_loops": b.data_dependent_loops,
+    }
+    z = r.breakdown_no_overflow
+    if z is not None:  # the loops whose trip count depends on the data, counted once above, not run here
+        summary["without_data_dependent_loops"] = {
+            "flops_per_device": z.total_flops, "collective_bytes": dict(z.collective_bytes),
+            "compute_s_at_peak": z.total_flops / V5P_PEAK_FLOPS,
+            "collective_s_at_ici": sum(z.collective_bytes.values()) / V5P_ICI_BYTES_PER_S}
+    lines = [hlo_breakdown.table(b, r.analytic, devices=n), "",
+             "| collective | GB per device | s at ICI |", "|---|---|---|"]
+    lines += [f"| {k} | {v / 1e9:.2f} | {v / V5P_ICI_BYTES_PER_S:.3f} |" for k, v in sorted(b.collective_bytes.items())]
+    lines += ["", f"FLOPs / (6 or 2) N_active tokens, Newton-Schulz apart: {summary['ratio_without_ns']:.2f} "
+              f"({summary['ratio_without_ns_with_attention']:.2f} with attention in the denominator); "
+              + (f"Newton-Schulz {summary['ns_ratio']:.2f}x its analytic count per device; " if r.ns_flops else "")
+              + f"{b.attributed_share:.1%} attributed; "
+              f"compute at peak {compute_s:.2f} s, collectives at ICI {comm_s:.2f} s"]
+    if z is not None:
+        w = summary["without_data_dependent_loops"]
+        lines += [f"{b.data_dependent_loops:.0f} data-dependent loop runs (the dropless exchange's overflow rounds) "
+                  f"counted once each above; not run (every device's pairs within a round): {w['flops_per_device']:.3e} "
+                  f"FLOPs, collectives " + " / ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(w["collective_bytes"].items()))
+                  + f" GB, compute at peak {w['compute_s_at_peak']:.2f} s, collectives at ICI "
+                  f"{w['collective_s_at_ici']:.2f} s"]
+    return "\n".join(lines), {**b.to_json(), "summary": summary, "analytic_per_device":
+                              {k: v / n for k, v in (r.analytic or {}).items()}}
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def mesh_text(shape: dict) -> str:
+    return " x ".join(f"{a} {n}" for a, n in shape.items() if n > 1) or "1 device"
+
+
+TABLE_HEADER = ("| config | program | slice (devices) | mesh | global batch | argument GiB | output GiB | "
+                "temp GiB | total GiB / HBM | fits | FLOPs/step | model FLOPs | ratio | of which NS | compile s |")
+
+
+def verdict(r: Result) -> str:
+    """The fits column: the compiler's verdict, and the budget when it was below the HBM."""
+    if not r.fits:
+        return "no"
+    return f"yes, under {gib(r.hbm_limit_bytes)}" if 0 < r.hbm_limit_bytes < r.hbm_bytes else "yes"
+
+
+def table(results: list[Result]) -> str:
+    """A Markdown table of per-device memory and step FLOPs (output GiB: not aliased to arguments)."""
+    rows = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for r in results:
+        j = r.job
+        what = {"train": f"train {j.batch} x {j.seq_len}", "decode": f"decode {j.batch} x 1 @ {j.seq_len:,} ctx",
+                "prefill": f"prefill {j.batch} x {j.prefill_chunk or j.seq_len:,} @ {j.seq_len:,} ctx"}[j.mode]
+        if j.note:
+            what += f" ({j.note})"
+        if r.error:
+            mem = f"| – | – | – | {r.error} | no |"
+        else:
+            mem = (f"| {gib(r.argument_bytes)} | {gib(r.output_bytes - r.alias_bytes)} | {gib(r.temp_bytes)} | "
+                   f"{gib(r.total_bytes)} / {gib(r.hbm_bytes)} | {verdict(r)} |")
+        if r.step_flops:
+            ns = f"{r.ns_flops / r.model_flops:.2f}" if r.ns_flops else "–"
+            fl = f"{r.step_flops:.3e} | {r.model_flops:.3e} | {r.flops_ratio:.2f} | {ns}"
+        else:
+            fl = "– | – | – | –"
+        rows.append(f"| {j.config} | {what} | {j.slice} ({r.num_devices}) | {mesh_text(r.mesh_shape)} | "
+                    f"{j.batch} {mem} {fl} | {r.compile_seconds:.0f} |")
+    return "\n".join(rows)
+
+
+__all__ = ["TABLE_HEADER", "breakdown_report", "gib", "mesh_text", "table", "verdict"]
