@@ -817,13 +817,19 @@ def test_layer_by_layer_muon_writes_the_stacks_in_place():
 
 
 @pytest.mark.tpu_aot
-def test_layer_by_layer_muon_writes_the_stacks_in_place_on_tpu():
+@pytest.mark.parametrize("per_step,bound", [(None, 0.6), (3, 1.0)])
+def test_layer_by_layer_muon_writes_the_stacks_in_place_on_tpu(monkeypatch, per_step, bound):
     """The per-layer loop carries the gradient and momentum stacks and writes each layer's update and
     momentum back into them. Compiled for v5p-16 (fsdp 2 x expert 4) with both donated, two stacked expert
     weights need about a third of one stack in temporaries; ``lax.map`` returned new whole stacks (1.05
-    of a stack here; full K3's optimizer on v5p-1024: 21.4 GiB of temporaries, 4.0 now)."""
+    of a stack here; full K3's optimizer on v5p-1024: 21.4 GiB of temporaries, 4.0 now). With 3 layers per
+    step, 2 layers are left over: their shorter step is a loop of its own and writes in place too
+    (measured 0.61 of a stack, most of it the 3-layer steps' work; written after the loop, 1.30)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    if per_step is not None:
+        monkeypatch.setattr(newton_schulz, "layers_per_step", lambda x, dn: per_step)
 
     mesh = _v5p_mesh("v5p-16", fsdp=2, expert=4)
     sharded = NamedSharding(mesh, P(None, "expert", None, "fsdp"))
@@ -838,7 +844,7 @@ def test_layer_by_layer_muon_writes_the_stacks_in_place_on_tpu():
             s.shape, s.dtype, sharding=sharded if s.ndim else NamedSharding(mesh, P())), state)
         compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower({"w": x, "v": x}, state).compile()
     local_stack = x.size * 4 / 8
-    assert compiled.memory_analysis().temp_size_in_bytes < 0.6 * local_stack  # measured 0.36
+    assert compiled.memory_analysis().temp_size_in_bytes < bound * local_stack  # measured 0.36, 0.61
 
 
 def test_layers_per_step_pads_least():

@@ -139,7 +139,7 @@ def scale_by_grouped_muon(dim_nums: Callable[[Any], Any], *, beta: float = 0.95,
 
 def _in_place_over_layers(fn: Callable, g: jax.Array, m: jax.Array, layers: int) -> tuple[jax.Array, jax.Array]:
     """``fn(g[s], m[s]) -> (update, momentum)`` over consecutive ``layers``-long slices ``s`` of the
-    stacks ``g, m [L, ...]`` and a last, shorter slice of the ``L % layers`` left (``fn`` takes any
+    stacks ``g, m [L, ...]`` (the ``L % layers`` left over first, as one shorter slice: ``fn`` takes any
     length), each result written back into the slice it came from: a loop whose
     carry is the two stacks, so XLA updates the gradient's and the donated momentum's buffers in place.
     ``lax.map`` returned two new whole stacks per stacked leaf, all live at once: full K3's optimizer on
@@ -147,26 +147,32 @@ def _in_place_over_layers(fn: Callable, g: jax.Array, m: jax.Array, layers: int)
 
     The next step's slices are read from the stacks *after* this step's writes and carried: every read
     of a stack then follows its last write, so XLA:CPU writes in place too (with the slices read at the
-    top of the step, its fusions read the stacks after the writes and it copied both stacks every step)."""
+    top of the step, its fusions read the stacks after the writes and it copied both stacks every step).
+    The shorter slice runs as a loop of its own, with the same carry: written after the main loop in
+    straight-line code, XLA:TPU copied the stacks (1.3 stacks of temporaries, 0.36 in the loops)."""
     steps, left = divmod(g.shape[0], layers)
-    last = steps * layers - layers
+    if left:
+        g, m = _write_back_loop(fn, g, m, 0, left, 1)
+    return _write_back_loop(fn, g, m, left, layers, steps)
+
+
+def _write_back_loop(fn: Callable, u: jax.Array, m: jax.Array, first: int, size: int,
+                     steps: int) -> tuple[jax.Array, jax.Array]:
+    """``steps`` steps of :func:`_in_place_over_layers` over the ``size``-long slices from layer ``first``."""
+    last = first + (steps - 1) * size
 
     def take(u, mu, start):
-        return jax.lax.dynamic_slice_in_dim(u, start, layers), jax.lax.dynamic_slice_in_dim(mu, start, layers)
+        return jax.lax.dynamic_slice_in_dim(u, start, size), jax.lax.dynamic_slice_in_dim(mu, start, size)
 
     def body(step, carry):
         u, mu, g_s, m_s = carry
-        start = step * layers
+        start = first + step * size
         o, m_new = fn(g_s, m_s)
         u = jax.lax.dynamic_update_slice_in_dim(u, o.astype(u.dtype), start, 0)
         mu = jax.lax.dynamic_update_slice_in_dim(mu, m_new.astype(mu.dtype), start, 0)
-        return (u, mu, *take(u, mu, jnp.minimum(start + layers, last)))
+        return (u, mu, *take(u, mu, jnp.minimum(start + size, last)))
 
-    u, mu, _, _ = jax.lax.fori_loop(0, steps, body, (g, m, *take(g, m, 0)))
-    if left:  # read after the loop's writes, as the loop's own slices
-        o, m_new = fn(u[steps * layers:], mu[steps * layers:])
-        u = jax.lax.dynamic_update_slice_in_dim(u, o.astype(u.dtype), steps * layers, 0)
-        mu = jax.lax.dynamic_update_slice_in_dim(mu, m_new.astype(mu.dtype), steps * layers, 0)
+    u, mu, _, _ = jax.lax.fori_loop(0, steps, body, (u, m, *take(u, m, first)))
     return u, mu
 
 
