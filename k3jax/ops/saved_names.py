@@ -23,4 +23,4 @@ MIXER_OUTPUTS = "mixer_outputs"
 # not recomputed (one value per latent channel and token: a sixteenth of the pairs' outputs for K3).
 EXPERT_SUMS = "expert_sums"
 
-SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS)
+SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS, EXPERT_SUMS)
