@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprs import sub_jaxprs
 from k3jax.config import load_config
 from k3jax.layers.latent_moe import LatentMoE
 from k3jax.ops.moe import grouped_glu_experts, ragged_glu, sigmoid_topk_route, tile_plan, tiled_glu
@@ -471,14 +472,10 @@ def _logical_matmul_flops(jaxpr, platform: str) -> int:
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in lhs_contract)
         if eqn.params.get("branches_platforms") is not None:  # platform_dependent: one branch is lowered
             chosen = next(i for i, ps in enumerate(eqn.params["branches_platforms"]) if ps is None or platform in ps)
-            subs = [eqn.params["branches"][chosen]]
+            subs = [eqn.params["branches"][chosen].jaxpr]
         else:
-            subs = [sub for v in eqn.params.values() for sub in (v if isinstance(v, (tuple, list)) else (v,))]
-        for sub in subs:
-            if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                total += _logical_matmul_flops(sub.jaxpr, platform)
-            elif isinstance(sub, jax.extend.core.Jaxpr):
-                total += _logical_matmul_flops(sub, platform)
+            subs = sub_jaxprs(eqn)
+        total += sum(_logical_matmul_flops(sub, platform) for sub in subs)
     return total
 
 

@@ -25,7 +25,7 @@ import pytest
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.serving.api import create_app
 from k3jax.serving.metrics import Metrics
-from cpu_devices import free_port
+from cpu_devices import TESTS, free_port
 from test_serving import client, post, running_server, wait_until_serving
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -140,23 +140,12 @@ def test_oversized_body_is_413_before_it_is_read():
     assert asyncio.run(chunked()) == (2, 413)
 
 
-SERVER = """
-import sys; sys.path[:0] = [{root!r}, {tests!r}]
-from k3jax.tokenizer import ByteTokenizer
-from k3jax.serving.server import run_server
-from test_server_shutdown import SlowEngine
-run_server(SlowEngine(), ByteTokenizer(), "tiny", host="127.0.0.1", port={port}, drain_timeout_s=1.5,
-           idle_timeout_s=60, max_body_bytes=2**20, log_level="warning")
-"""
-
-
 @pytest.mark.slow  # a server subprocess (its imports: ~10-30 s)
 def test_sigterm_drains_streams_in_flight():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER.format(root=str(ROOT), tests=str(ROOT / "tests"),
-                                                                 port=port)],
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(map(str, (ROOT, TESTS)))}
+    proc = subprocess.Popen([sys.executable, "-m", "children.slow_server", str(port)], env=env,  # tests/children/
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(proc, url, timeout_s=120, poll_s=0.2)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_devices import free_port, subprocess_env, xla_flags
+from cpu_devices import free_port, run_child, subprocess_env
 from k3jax import create_model, generate, load_config
 from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.tokenizer import ByteTokenizer
@@ -425,26 +425,7 @@ def test_text_stream_stop_strings_and_partial_characters():
 def test_sharded_server_on_4_fake_devices():
     """The concurrency, bad-input and compile checks against a server whose model is split over 4
     fake CPU devices (``--mesh fsdp=4``; the device count must be set before JAX starts)."""
-    script = f"""
-import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
-import jax
-jax.config.update("jax_disable_most_optimizations", True)
-assert jax.device_count() == 4
-from k3jax.sharding import make_mesh, parse_mesh, shard_model, use_mesh
-from k3jax.serving.engine import Engine
-import test_serving as t
-mesh = make_mesh(parse_mesh("fsdp=4"))
-model = shard_model(t.small_model(), mesh)
-engine = Engine(model, max_batch=t.MAX_BATCH, max_len=t.MAX_LEN, prefill_chunk=t.CHUNK, max_queue=16, mesh=mesh)
-with t.running_server(engine) as url, use_mesh(mesh):
-    t.check_concurrent_equals_alone(url, model, n=8, seed=3)
-    t.check_bad_inputs(url)
-    t.check_compiles_fixed(url)
-print("OK")
-"""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_child("sharded_server", n=4)  # tests/children/sharded_server.py
 
 
 @pytest.mark.slow
