@@ -305,6 +305,35 @@ def test_latent_attention_never_expands_the_whole_sequence():
     assert len(expansions) == 2  # the forward's and the backward's
 
 
+def test_latent_attention_in_a_scan_over_layers_masks_one_block_pair_at_a_time():
+    """Differentiated inside a ``lax.scan`` over layers (the model's scanned groups), with the positions and
+    segments loop-invariant: JAX hoists what depends on them alone out of the linearized loop, which once
+    built every block pair's mask and padded scores at once (``[Nk, Nq, B, H, Cq, Ck]``, the size of the
+    whole score matrix: full K3's 1M-token row, 1 TB per device). Output and gradients still match the
+    plain attention."""
+    t, chunk, layers = 64, 8, 2
+    q, kv, w = _latent_inputs(t, t, seed=9)
+    idx, seg = _arange(B, t), _packed_segments(t)
+    ws = jnp.stack([w, w * 0.5])
+
+    def stack(q, kv, ws, f):
+        def layer(x, w):
+            return x.at[..., :DV].add(f(x, kv, w)), None  # the next layer's queries
+        return jnp.sum(jnp.sin(jax.lax.scan(layer, q, ws)[0]))
+
+    def latent(x, kv, w):
+        return attn_ops.latent_attention(x, kv, w, idx, idx, expand=_expand, scale=0.4, q_segment_ids=seg,
+                                         kv_segment_ids=seg, q_chunk=chunk, kv_chunk=chunk)
+
+    def plain(x, kv, w):
+        return _plain(x, *_expand(kv, w), idx, idx, scale=0.4, q_segment_ids=seg, kv_segment_ids=seg)
+
+    grad = lambda f: jax.grad(functools.partial(stack, f=f), argnums=(0, 1, 2))  # noqa: E731
+    assert _largest_intermediate(jax.make_jaxpr(grad(latent))(q, kv, ws).jaxpr) < B * H * t * t
+    for got, want in zip(jax.jit(grad(latent))(q, kv, ws), grad(plain)(q, kv, ws)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_latent_attention_rejects_half_the_segment_ids():
     q, kv, w = _latent_inputs(4, 4)
     idx = _arange(B, 4)

@@ -276,6 +276,12 @@ def _latent_attention_fwd(q_xs, kv_xs, params, expand, scale):
     """q_xs: query blocks ``[Nq, B, Cq, H, D]`` with their positions and segments ``[Nq, B, Cq]``; kv_xs:
     kv blocks ``[Nk, B, Ck, L]`` with ``[Nk, B, Ck]`` positions and segments. -> (o ``[Nq, B, Cq, H, Dv]``,
     residuals)."""
+    # The positions and segments are tied to the queries and the latent. Inside a differentiated
+    # ``lax.scan`` over layers they are loop-invariant while q and kv are not, and JAX hoists the
+    # loop-invariant part of the linearized body out of the loop (``_scan_known_hoisting``): the block
+    # pairs' masks ``[Nk, Nq, B, H, Cq, Ck]`` of every key block and query block at once (full K3 on a
+    # 1M-token row: 1 TB per device). Tied, they are built one block pair at a time as written.
+    q_xs, kv_xs = jax.lax.optimization_barrier((q_xs, kv_xs))
     qb, q_index, q_seg = q_xs
     nq, b, cq, h, _ = qb.shape
     k0, v0 = jax.eval_shape(expand, kv_xs[0][0], params)
