@@ -18,15 +18,10 @@ gradient accumulation step and data-parallel shards pool into the statistics of 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
-from k3jax.parallel.context import current_mesh, spec_entry
-from k3jax.sharding import token_mesh_axes
 
 
 class ExactStats(NamedTuple):
@@ -62,37 +57,15 @@ def router_statistics(scores: jax.Array, threshold: jax.Array, bias: jax.Array, 
         return ExactStats(jnp.where(mask[:, None], margins, -jnp.inf), num_tokens, load)
     if method == "histogram":
         low, high = margin_range(bias.astype(jnp.float32))
-        counts = _on_own_tokens_summed(functools.partial(_bin_counts, num_bins=num_bins), margins, mask, low, high)
-        return HistogramStats(counts, num_tokens, low, high, load)
+        width = (high - low) / num_bins
+        idx = jnp.clip(jnp.floor((margins - low) / width).astype(jnp.int32), 0, num_bins - 1)  # [N, n]
+        # A scatter-add of the real tokens into [n * bins] (not a one-hot [N, n, bins], which at K3's
+        # 896 experts x 256 bins is ~1 MB per token): exact, float32 counts stay integers below 2^24.
+        flat = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :] * num_bins + idx  # [N, n]
+        weight = jnp.broadcast_to(mask[:, None], idx.shape).astype(jnp.float32)
+        counts = jax.ops.segment_sum(weight.reshape(-1), flat.reshape(-1), num_segments=scores.shape[1] * num_bins)
+        return HistogramStats(counts.reshape(scores.shape[1], num_bins), num_tokens, low, high, load)
     raise ValueError(f"unknown quantile balancing method {method!r}")
-
-
-def _bin_counts(margins: jax.Array, mask: jax.Array, low: jax.Array, high: jax.Array, *, num_bins: int) -> jax.Array:
-    """Per-expert counts ``[n, num_bins]`` of the real tokens' margins ``[N, n]`` (mask ``[N]``) in
-    ``num_bins`` equal bins over ``[low, high)`` (outside: the first / last bin). A scatter-add into
-    ``[n * bins]``, not a one-hot ``[N, n, bins]`` (~1 MB per token at K3's 896 experts x 256 bins):
-    exact, float32 counts stay integers below 2^24."""
-    n = margins.shape[1]
-    width = (high - low) / num_bins
-    idx = jnp.clip(jnp.floor((margins - low) / width).astype(jnp.int32), 0, num_bins - 1)  # [N, n]
-    flat = jnp.arange(n, dtype=jnp.int32)[None, :] * num_bins + idx  # [N, n]
-    weight = jnp.broadcast_to(mask[:, None], idx.shape).astype(jnp.float32)
-    return jax.ops.segment_sum(weight.reshape(-1), flat.reshape(-1), num_segments=n * num_bins).reshape(n, num_bins)
-
-
-def _on_own_tokens_summed(fn, tokens: jax.Array, mask: jax.Array, *shared: jax.Array) -> jax.Array:
-    """``fn(tokens [N, ...], mask [N], *shared)``, a sum over the tokens, as each device's sum over its own
-    tokens added across the devices (a ``psum`` of the result). Left to GSPMD, the scatter-add of tokens
-    split over the mesh gathered its ``[N, n]`` operands instead: 7.6 GB of collectives per MoE layer and
-    device for full K3 on v5p-1024 (the counts are 0.9 MB)."""
-    mesh = current_mesh()
-    axes = token_mesh_axes(mesh, tokens.shape[0]) if mesh is not None else ()
-    if not axes:
-        return fn(tokens, mask, *shared)
-    entry = spec_entry(axes)
-    summed = lambda t, m, *a: jax.lax.psum(fn(t, m, *a), entry)  # noqa: E731
-    return jax.shard_map(summed, mesh=mesh, in_specs=(P(entry), P(entry)) + (P(),) * len(shared),
-                         out_specs=P())(tokens, mask, *shared)
 
 
 def pool(stats: ExactStats | HistogramStats) -> ExactStats | HistogramStats:
