@@ -271,6 +271,35 @@ def test_row_weights_scale_each_rows_output(case):
         assert max(jax.tree.leaves(errs)) < 1e-5, (name, errs)
 
 
+def test_row_weights_come_after_the_activation_quantization():
+    """With MXFP8 activations the down projection's input is quantized unweighted, then weighted: each
+    implementation's weighted rows are the weights times its unweighted rows (weighting first would move
+    a block's scale with the weight and round differently from the single-device path, which weights the
+    outputs)."""
+    from k3jax.ops.moe import _ragged_dot_glu
+    from k3jax.quant import fake_quantize_mxfp8
+    from pallas_kernels.moe import ragged_glu as pallas_ragged_glu
+
+    m, e, d, f, sizes, tile = RAGGED_CASES["odd_tile"]
+    d, f = 64, 96  # whole 32-value MXFP8 blocks
+    rng = np.random.default_rng(5)
+    xs = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    weights = jnp.asarray(rng.uniform(0.05, 0.9, size=m), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    real = np.arange(m)[:, None] < sum(sizes)
+    q = fake_quantize_mxfp8
+    impls = {"tiled": functools.partial(tiled_glu, activation="situ_glu", tile=tile, act_quant=q),
+             "ragged_dot": functools.partial(_ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
+                                             act_quant=q),
+             "pallas": functools.partial(pallas_ragged_glu, activation="situ_glu", interpret=True, backend="tpu",
+                                         act_quant=q)}
+    for name, fn in impls.items():
+        plain = np.asarray(jax.jit(lambda xs, ws: fn(xs, gs, *ws))(xs, ws))
+        weighted = np.asarray(jax.jit(lambda xs, ws, w: fn(xs, gs, *ws, row_weights=w))(xs, ws, weights))
+        assert rel_err(weighted * real, plain * np.asarray(weights)[:, None] * real) < 1e-6, name
+
+
 def test_tile_plan_covers_the_worst_case():
     """Any grouping of `rows` rows into E groups fits the planned tiles (checked on the layouts that
     waste the most: as many non-empty groups as possible, each one row past a multiple of the tile)."""

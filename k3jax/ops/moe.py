@@ -109,7 +109,8 @@ def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: j
     there; other backends may not, so callers with such rows mask them). ``act_quant`` (e.g. MXFP8
     fake quantization) is applied to the input of each matmul stage: xs and the GLU output.
     ``row_weights`` ``[M]`` (optional): each row's GLU output is scaled by it before the down projection
-    (:func:`weighted_glu_output`), so the output is the row's weighted expert output.
+    (:func:`weighted_glu_output`), so the output is the row's weighted expert output; after ``act_quant``,
+    which then sees what it sees unweighted (a block's scale would follow the weight and round otherwise).
     """
     if act_quant is not None:  # quantize both matmul stages' inputs (MXFP8, k3jax/quant); per row
         xs = act_quant(xs)
@@ -138,10 +139,10 @@ def _ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, 
     """``ragged_glu`` by ``jax.lax.ragged_dot`` (xs already quantized)."""
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    h = weighted_glu_output(glu(gate, up, activation, beta, linear_beta), row_weights)
+    h = glu(gate, up, activation, beta, linear_beta)
     if act_quant is not None:
         h = act_quant(h)
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+    return jax.lax.ragged_dot(weighted_glu_output(h, row_weights), w_down, group_sizes)
 
 
 # Fetching one tile's expert weights costs about as much as this many rows of its matmuls (XLA:CPU;
@@ -200,10 +201,10 @@ def tiled_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: ja
     x = jnp.where(real[..., None], jnp.take(xs, src, axis=0, mode="clip"), jnp.zeros((), xs.dtype))  # [T, tile, D]
     w_g, w_u, w_d = (jnp.take(w, ex, axis=0, mode="clip") for w in (w_gate, w_up, w_down))  # [T, D, F], [T, F, D]
     h = glu(jnp.einsum("tsd,tdf->tsf", x, w_g), jnp.einsum("tsd,tdf->tsf", x, w_u), activation, beta, linear_beta)
-    if row_weights is not None:
-        h = weighted_glu_output(h, jnp.where(real, jnp.take(row_weights, src, axis=0, mode="clip"), 0))
     if act_quant is not None:
         h = act_quant(h)
+    if row_weights is not None:
+        h = weighted_glu_output(h, jnp.where(real, jnp.take(row_weights, src, axis=0, mode="clip"), 0))
     y = jnp.einsum("tsf,tfd->tsd", h, w_d).reshape(num_tiles * tile, w_down.shape[-1])  # [T * tile, D]
     # row -> its padded position
     r = jnp.arange(m, dtype=jnp.int32)

@@ -35,8 +35,8 @@ def ragged_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta=4.0, l
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, tiling=tiling, interpret=interpret, backend=backend,
                                      expected_rows=expected_rows)
     xs = quantize(xs)
-    h = weighted_glu_output(glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta), row_weights)
-    return mm(quantize(h), w_down)
+    h = glu(mm(xs, w_gate), mm(xs, w_up), activation, beta, linear_beta)
+    return mm(weighted_glu_output(quantize(h), row_weights), w_down)
 
 
 __all__ = ["DEFAULT_TILING", "gmm", "tgmm", "group_metadata", "grouped_matmul", "grouped_glu_experts", "ragged_glu"]
