@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.cache import ModelCache, init_cache
 from k3jax.config import LoRAConfig, ModelConfig
@@ -97,6 +98,7 @@ class DecoderLayer(nnx.Module):
         """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
         with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.aot.breakdown
             y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache, lora_key)
+            y = checkpoint_name(y, saved_names.MIXER_PROJECTED)  # kept by remat=outputs
             return constrain_activation(y, RESIDUAL_AXES), cache, max_logits
 
     def _mix_unscoped(self, h, ctx: "_Context", cache, lora_key):
@@ -221,6 +223,9 @@ _REMAT_POLICIES = {
     # full, but keeping the values of k3jax.ops.saved_names: no expert matmul, attention or KDA pass
     # runs twice
     "selective": jax.checkpoint_policies.save_only_these_names(*saved_names.SELECTIVE),
+    # full, but keeping each sublayer's small outputs (k3jax.ops.saved_names.SUBLAYER_OUTPUTS): no output
+    # projection, routed down projection or expert return exchange runs twice
+    "outputs": jax.checkpoint_policies.save_only_these_names(*saved_names.SUBLAYER_OUTPUTS),
 }
 # Remat modes that also checkpoint a whole scanned group: the scan then saves one input per group
 # instead of one per layer, and the backward pass runs the group's forward once more to rebuild them.

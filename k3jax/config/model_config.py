@@ -255,9 +255,11 @@ class ModelConfig:
     # group is checkpointed too (one more forward, 10N, for a group's worth of saved inputs); dots:
     # matmul outputs saved; selective: full, but the GLU inputs, the routed experts' outputs and the
     # mixers' core outputs are kept (k3jax/ops/saved_names.py), so no expert matmul, attention or KDA
-    # pass runs twice, for about 2 x (top-k x capacity x F + k x L) bytes per token and layer more
-    # (k3jax/model.py)
-    remat: Literal["none", "full", "nested", "dots", "selective"] = runtime("none")
+    # pass runs twice, for about 2 x (top-k x capacity x F + k x L) bytes per token and layer more;
+    # outputs: full, but each sublayer's output is kept (the mixer's projected output, the routed
+    # experts' sum: 2d + 4L bytes per token and layer), so no output projection and no routed down
+    # projection runs twice (k3jax/model.py)
+    remat: Literal["none", "full", "nested", "dots", "selective", "outputs"] = runtime("none")
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
     kda_impl: Literal["auto", "xla", "pallas"] = runtime("auto")  # auto: xla on every platform for now

@@ -23,4 +23,12 @@ MIXER_OUTPUTS = "mixer_outputs"
 # not recomputed (one value per latent channel and token: a sixteenth of the pairs' outputs for K3).
 EXPERT_SUMS = "expert_sums"
 
+# A token mixer's output after its output projection ``[B, T, d]``: the layer's FFN input (its norm, or
+# Block AttnRes's mix) reads it, so a rematerialised layer that does not keep it runs the projection again.
+MIXER_PROJECTED = "mixer_projected"
+
 SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS, EXPERT_SUMS)
+# ``model.remat = outputs``: per-layer remat keeping only each sublayer's outputs, a few values per token
+# and layer (K3 on v5p-1024: 59 MB per layer and device), the ones whose recomputation costs the most
+# per byte: the output projections, the routed experts' down projections and their return exchange.
+SUBLAYER_OUTPUTS = (MIXER_PROJECTED, EXPERT_SUMS)
