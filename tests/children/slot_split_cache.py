@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from chunked_prefill import prefill_in_chunks
 from cpu_devices import rel
 from k3jax import create_model, load_config
 from k3jax.aot import breakdown as hlo_breakdown
@@ -121,12 +122,7 @@ def main() -> None:
         cache = model.init_cache(batch, 4096)
         if mesh is not None:
             cache = jax.device_put(cache, cache_shardings(cache, mesh))
-        logits, at = [], 0
-        for n in lengths:
-            out, cache = step(state, tokens[:, at:at + n], token_valid[:, at:at + n], cache)
-            logits.append(out)
-            at += n
-        return jnp.concatenate(logits, axis=1), cache
+        return prefill_in_chunks(step, state, tokens, token_valid, cache, lengths)
 
     worst = 0.0
     for batch, meshes in ((1, ("expert=8",)), (2, ("sequence=8", "fsdp=2,expert=4"))):
