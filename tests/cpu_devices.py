@@ -1,7 +1,7 @@
 """Fresh Python processes for tests: the environment they run in, a free port for them, and a check run on
 ``n`` fake CPU devices (the device count must be set before JAX starts, and the rest of the suite runs on one
-device): a module of ``tests/children/`` (:func:`run_child`) or, for the few still written inline, a script
-(:func:`run_on_cpu_devices`). Children find this directory on their path, so they import these helpers."""
+device): a module of ``tests/children/`` (:func:`run_child`). Children find this directory on their path, so
+they import these helpers."""
 
 import os
 import pathlib
@@ -22,10 +22,6 @@ def rel(a, b) -> float:
 
     pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
     return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)) for x, y in pairs)
-
-
-# An inline script's ``rel``: this module's (the child has ``tests/`` on its path, :func:`subprocess_env`).
-RELATIVE_ERROR = "from cpu_devices import rel\n"
 
 
 def free_port() -> int:
@@ -58,11 +54,6 @@ def run_child(module: str, *args: str, n: int = 8, timeout: int = 900, **env: st
     (shown on failure)."""
     return _run([sys.executable, "-m", f"children.{module}", *args],
                 subprocess_env(**{"JAX_NUM_CPU_DEVICES": str(n), **env}), timeout)
-
-
-def run_on_cpu_devices(script: str, n: int = 8, timeout: int = 900) -> str:
-    """Run ``script``, which prints ``OK`` when its checks pass; its output is returned (shown on failure)."""
-    return _run([sys.executable, "-c", script], subprocess_env(JAX_NUM_CPU_DEVICES=str(n)), timeout)
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int) -> str:

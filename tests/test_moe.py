@@ -241,7 +241,7 @@ def test_row_weights_scale_each_rows_output(case):
     grouped matmul in interpret mode, against the unweighted float64 loop, forward and gradients (the
     weights' gradient is the row's ``<dy, y>``; every other input's, the unweighted one's with ``dy``
     scaled)."""
-    from k3jax.ops.moe import _ragged_dot_glu
+    from k3jax.ops.moe import ragged_dot_glu
     from pallas_kernels.moe import ragged_glu as pallas_ragged_glu
 
     m, e, d, f, sizes, tile = RAGGED_CASES[case]
@@ -258,7 +258,7 @@ def test_row_weights_scale_each_rows_output(case):
         return jnp.sum(dense_ragged_glu(xs, sizes, *ws, "situ_glu") * w[:, None] * cot * real)
 
     impls = {"tiled": functools.partial(tiled_glu, activation="situ_glu", tile=tile),
-             "ragged_dot": functools.partial(_ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
+             "ragged_dot": functools.partial(ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
                                              act_quant=None),
              "pallas": functools.partial(pallas_ragged_glu, activation="situ_glu", interpret=True, backend="tpu")}
     want = jax.jit(jax.grad(unweighted, argnums=(0, 1, 2)))(xs, ws, weights)
@@ -276,7 +276,7 @@ def test_row_weights_come_after_the_activation_quantization():
     implementation's weighted rows are the weights times its unweighted rows (weighting first would move
     a block's scale with the weight and round differently from the single-device path, which weights the
     outputs)."""
-    from k3jax.ops.moe import _ragged_dot_glu
+    from k3jax.ops.moe import ragged_dot_glu
     from k3jax.quant import fake_quantize_mxfp8
     from pallas_kernels.moe import ragged_glu as pallas_ragged_glu
 
@@ -290,7 +290,7 @@ def test_row_weights_come_after_the_activation_quantization():
     real = np.arange(m)[:, None] < sum(sizes)
     q = fake_quantize_mxfp8
     impls = {"tiled": functools.partial(tiled_glu, activation="situ_glu", tile=tile, act_quant=q),
-             "ragged_dot": functools.partial(_ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
+             "ragged_dot": functools.partial(ragged_dot_glu, activation="situ_glu", beta=4.0, linear_beta=25.0,
                                              act_quant=q),
              "pallas": functools.partial(pallas_ragged_glu, activation="situ_glu", interpret=True, backend="tpu",
                                          act_quant=q)}

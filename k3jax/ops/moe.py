@@ -118,10 +118,10 @@ def ragged_glu(xs: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: j
     if row_weights is None:
         return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down,
                                           cpu=functools.partial(tiled_glu, **kw),
-                                          default=functools.partial(_ragged_dot_glu, **kw))
+                                          default=functools.partial(ragged_dot_glu, **kw))
     return jax.lax.platform_dependent(xs, group_sizes, w_gate, w_up, w_down, row_weights,
                                       cpu=lambda *a: tiled_glu(*a[:5], row_weights=a[5], **kw),
-                                      default=lambda *a: _ragged_dot_glu(*a[:5], row_weights=a[5], **kw))
+                                      default=lambda *a: ragged_dot_glu(*a[:5], row_weights=a[5], **kw))
 
 
 def weighted_glu_output(h: jax.Array, row_weights: jax.Array | None) -> jax.Array:
@@ -134,7 +134,7 @@ def weighted_glu_output(h: jax.Array, row_weights: jax.Array | None) -> jax.Arra
     return (h.astype(jnp.float32) * row_weights[..., None].astype(jnp.float32)).astype(h.dtype)
 
 
-def _ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, linear_beta, act_quant,
+def ragged_dot_glu(xs, group_sizes, w_gate, w_up, w_down, *, activation, beta, linear_beta, act_quant,
                     row_weights=None):
     """``ragged_glu`` by ``jax.lax.ragged_dot`` (xs already quantized)."""
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
