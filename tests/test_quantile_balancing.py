@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import quantile_balancing as qb
+from k3jax.ops import quantile_balancing as qb
 from k3jax.ops.moe import sigmoid_topk_route
 
 

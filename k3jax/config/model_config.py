@@ -98,7 +98,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     router_bias: bool = True  # selection-only balancing bias (Quantile Balancing state)
     renormalize: bool = True  # p_i = s_i / sum_topk s
-    # Quantile Balancing of the router bias (k3jax/quantile_balancing.py).
+    # Quantile Balancing of the router bias (k3jax/ops/quantile_balancing.py).
     balancing: Literal["quantile", "none"] = "quantile"
     qb_method: Literal["exact", "histogram"] = "histogram"
     qb_bins: int = 256

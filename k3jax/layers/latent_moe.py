@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import kernels
-from k3jax import quantile_balancing as qb
+from k3jax.ops import quantile_balancing as qb
 from k3jax.config import ModelConfig
 from k3jax.layers.ffn import GatedFFN
 from k3jax.layers.initializers import RouterBias, cast, constant, normal

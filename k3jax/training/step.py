@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3jax import quantile_balancing as qb
+from k3jax.ops import quantile_balancing as qb
 from k3jax.config import Config, ModelConfig
 from k3jax.data.images import vision_batch
 from k3jax.layers.lora import LoRAParam

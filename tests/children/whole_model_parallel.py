@@ -15,7 +15,7 @@ from flax import nnx
 
 from cpu_devices import rel
 from k3jax import create_model, load_config
-from k3jax import quantile_balancing as qb
+from k3jax.ops import quantile_balancing as qb
 from k3jax.config import MeshConfig
 from k3jax.layers.initializers import RouterBias
 from k3jax.model import abstract_model, segment_positions
