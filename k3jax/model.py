@@ -226,6 +226,12 @@ _REMAT_POLICIES = {
     # full, but keeping each sublayer's small outputs (k3jax.ops.saved_names.SUBLAYER_OUTPUTS): no output
     # projection, routed down projection or expert return exchange runs twice
     "outputs": jax.checkpoint_policies.save_only_these_names(*saved_names.SUBLAYER_OUTPUTS),
+    # outputs, plus MLA's attention residuals kept on the device and the mixers' projections of the layer
+    # input in host memory (saved_names.HOST_SAVED): no attention forward, no KDA q, k, v or gate projection
+    # and no MLA gate projection runs twice
+    "outputs_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved_names.OUTPUTS_AND_ATTENTION, names_which_can_be_offloaded=saved_names.HOST_SAVED,
+        offload_src="device", offload_dst="pinned_host"),
 }
 # Remat modes that also checkpoint a whole scanned group: the scan then saves one input per group
 # instead of one per layer, and the backward pass runs the group's forward once more to rebuild them.

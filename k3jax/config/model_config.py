@@ -258,8 +258,10 @@ class ModelConfig:
     # pass runs twice, for about 2 x (top-k x capacity x F + k x L) bytes per token and layer more;
     # outputs: full, but each sublayer's output is kept (the mixer's projected output, the routed
     # experts' sum: 2d + 4L bytes per token and layer), so no output projection and no routed down
-    # projection runs twice (k3jax/model.py)
-    remat: Literal["none", "full", "nested", "dots", "selective", "outputs"] = runtime("none")
+    # projection runs twice (k3jax/model.py); outputs_offload: outputs, plus MLA's attention residuals
+    # kept and the mixers' input projections kept in host memory (pinned_host), so no attention forward,
+    # KDA or gate projection runs twice either (k3jax/ops/saved_names.py)
+    remat: Literal["none", "full", "nested", "dots", "selective", "outputs", "outputs_offload"] = runtime("none")
     # Kernels (k3jax/kernels.py): the pure-JAX ops, or the Pallas kernels of pallas_kernels/ (Mosaic
     # on TPU, Triton on GPU, the Pallas interpreter on CPU).
     kda_impl: Literal["auto", "xla", "pallas"] = runtime("auto")  # auto: xla on every platform for now

@@ -21,7 +21,7 @@ from k3jax.ops.conv import causal_conv1d
 from k3jax import kernels
 from k3jax.ops.kda import kda_gate_lower_bound, kda_gate_softplus, kda_step
 from k3jax.ops.norms import l2_norm, rms_norm
-from k3jax.ops.saved_names import MIXER_OUTPUTS
+from k3jax.ops.saved_names import MIXER_OUTPUTS, MIXER_PROJECTIONS
 from k3jax.parallel import sequence as seq_parallel
 
 # fla's dt initialisation range for the softplus gate: dt ~ logU(1e-3, 1e-1), floor 1e-4.
@@ -104,8 +104,8 @@ class KDA(nnx.Module):
         halo = max(c.conv_size - 1, 1)
         sequence_parallel = seq_parallel.sequence_shards(x.shape[1], halo, batch=x.shape[0]) > 1
 
-        def proj(name):
-            return lora.project(self, name, x, "btd,dhk->bthk", dt, lora_key)
+        def proj(name):  # q, k, v (before the conv) and the output gate: kept by some remat policies
+            return checkpoint_name(lora.project(self, name, x, "btd,dhk->bthk", dt, lora_key), MIXER_PROJECTIONS)
 
         cq, ck, cv = (cache.conv_q, cache.conv_k, cache.conv_v) if cache is not None else (None, None, None)
         q, cq = self._short_conv(proj("q_proj"), self.q_conv if conv else None, segment_ids, cq,

@@ -15,7 +15,7 @@ from k3jax.layers.initializers import normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, attention_mask, chunked_attention, latent_attention
 from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
-from k3jax.ops.saved_names import MIXER_OUTPUTS
+from k3jax.ops.saved_names import MIXER_OUTPUTS, MIXER_PROJECTIONS
 from k3jax.parallel import cache_attention as cache_parallel
 from k3jax.parallel import sequence as seq_parallel
 
@@ -65,7 +65,7 @@ class MLA(nnx.Module):
     def _gate_and_project(self, x, o, key):
         c, dt = self.cfg, self.dtype
         if c.output_gate:
-            gate = lora.project(self, "g_proj", x, "btd,dhv->bthv", dt, key)
+            gate = checkpoint_name(lora.project(self, "g_proj", x, "btd,dhv->bthv", dt, key), MIXER_PROJECTIONS)
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
         return lora.project(self, "o_proj", o.astype(dt), "bthv,hvd->btd", dt, key)
 

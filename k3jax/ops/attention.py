@@ -6,7 +6,9 @@ from typing import Any, Callable
 import chex
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.ops.saved_names import ATTENTION_RESIDUALS
 from pallas_kernels._common import match_varying
 
 
@@ -324,6 +326,8 @@ def _latent_attention_fwd(q_xs, kv_xs, params, expand, scale):
     seen = row_sum > 0
     o = (acc / jnp.moveaxis(jnp.where(seen, row_sum, 1.0), 2, 3)[..., None]).astype(v0.dtype)
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)  # [Nq, B, H, Cq]
+    # named: a remat policy that keeps them spares the backward this whole pass (saved_names)
+    o, lse = checkpoint_name(o, ATTENTION_RESIDUALS), checkpoint_name(lse, ATTENTION_RESIDUALS)
     return o, (q_xs, kv_xs, params, o, lse)
 
 

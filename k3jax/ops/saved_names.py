@@ -27,8 +27,24 @@ EXPERT_SUMS = "expert_sums"
 # Block AttnRes's mix) reads it, so a rematerialised layer that does not keep it runs the projection again.
 MIXER_PROJECTED = "mixer_projected"
 
+# MLA's latent attention's output blocks and their log-sum-exp (``k3jax.ops.attention``, inside its custom
+# VJP's forward: ``[B, T, H, v]`` and ``[B, T, H]`` float32), which its backward reads beside its inputs. The
+# mixer's core output alone does not spare the attention: without these the backward runs its forward
+# (every score, every key block's expansion) again to rebuild them.
+ATTENTION_RESIDUALS = "attention_residuals"
+# KDA's q, k and v projections before the short conv ``[B, T, H, K]`` (the conv's and the chunk pass's
+# backward read them), and both mixers' output-gate projections ``x W_g`` ``[B, T, H, v]``: the
+# projections of the layer input a rematerialised mixer otherwise runs again, ``d`` FLOPs per byte kept.
+MIXER_PROJECTIONS = "mixer_projections"
+
 SELECTIVE = (GLU_INPUTS, EXPERT_PAIR_OUTPUTS, MIXER_OUTPUTS, EXPERT_SUMS)
 # ``model.remat = outputs``: per-layer remat keeping only each sublayer's outputs, a few values per token
 # and layer (K3 on v5p-1024: 59 MB per layer and device), the ones whose recomputation costs the most
 # per byte: the output projections, the routed experts' down projections and their return exchange.
 SUBLAYER_OUTPUTS = (MIXER_PROJECTED, EXPERT_SUMS)
+# ``model.remat = outputs_offload``: SUBLAYER_OUTPUTS and MLA's attention residuals on the device (K3 on
+# v5p-1024: 51 MB per MLA layer and device), the mixers' projections of the layer input moved to host
+# memory in the forward pass and back for the backward (50 MB each per layer and device: 4 per KDA layer,
+# 1 per MLA layer; 15 GB per step for K3, more than the HBM spares).
+OUTPUTS_AND_ATTENTION = (*SUBLAYER_OUTPUTS, ATTENTION_RESIDUALS)
+HOST_SAVED = (MIXER_PROJECTIONS,)
