@@ -218,6 +218,61 @@ def test_statements_join_only_open_strings_and_brackets():
     assert list(bd.statements('x = "a\\"}\nb"\ny')) == ['x = "a\\"}\nb"', "y"]
 
 
+# The optimizer's branch as XLA:TPU leaves it: the conditional is named only by its operands (the
+# balancing bias among them); inside, a Newton-Schulz block summed over the devices as the all-reduce
+# of a zero-padded buffer (no op_name: XLA's rewrite of an all-gather), and an all-reduce of the
+# branch's operand itself, of which nothing in the HLO says whose it is.
+_UNNAMED_COLLECTIVES_HLO = """HloModule jit_step
+
+%add.1 (a.2: f32[], b.3: f32[]) -> f32[] {
+  %a.2 = f32[] parameter(0)
+  %b.3 = f32[] parameter(1)
+  ROOT %add.4 = f32[] add(%a.2, %b.3)
+}
+
+%branch.10 (p.11: (f32[64,32], s32[64])) -> f32[64,32] {
+  %p.11 = (f32[64,32]{1,0}, s32[64]{0}) parameter(0)
+  %get-tuple-element.12 = f32[64,32]{1,0} get-tuple-element(%p.11), index=0
+  %constant.13 = f32[] constant(0)
+  %broadcast.14 = f32[64,32]{1,0} broadcast(%constant.13), dimensions={}
+  %slice.15 = f32[16,32]{1,0} slice(%get-tuple-element.12), slice={[0:16], [0:32]}
+  %multiply.16 = f32[16,32]{1,0} multiply(%slice.15, %slice.15), metadata={op_name="jit(step)/cond/branch_1_fun/optimizer/newton_schulz/mul"}
+  %partition-id.17 = u32[] partition-id()
+  %constant.18 = u32[] constant(16)
+  %multiply.19 = u32[] multiply(%partition-id.17, %constant.18)
+  %constant.20 = u32[] constant(0)
+  %dynamic-update-slice.21 = f32[64,32]{1,0} dynamic-update-slice(%broadcast.14, %multiply.16, %multiply.19, %constant.20)
+  %all-reduce.22 = f32[64,32]{1,0} all-reduce(%dynamic-update-slice.21), replica_groups={{0,1,2,3}}, to_apply=%add.1
+  %all-reduce.23 = f32[64,32]{1,0} all-reduce(%get-tuple-element.12), replica_groups={{0,1,2,3}}, to_apply=%add.1
+  ROOT %add.24 = f32[64,32]{1,0} add(%all-reduce.22, %all-reduce.23)
+}
+
+ENTRY %main.30 (p0.31: f32[64,32], p1.32: s32[64]) -> f32[64,32] {
+  %p0.31 = f32[64,32]{1,0} parameter(0)
+  %p1.32 = s32[64]{0} parameter(1)
+  %add.33 = s32[64]{0} add(%p1.32, %p1.32), metadata={op_name="jit(step)/quantile_balancing/add"}
+  %tuple.34 = (f32[64,32]{1,0}, s32[64]{0}) tuple(%p0.31, %add.33)
+  %constant.35 = s32[] constant(0)
+  ROOT %conditional.36 = f32[64,32]{1,0} conditional(%constant.35, %tuple.34), branch_computations={%branch.10}, metadata={op_name="jit(step)/cond"}
+}
+"""
+
+
+def test_collectives_without_op_name_go_by_what_they_carry_or_unattributed():
+    """A collective without an op_name is named after the operand it carries (the Newton-Schulz
+    block), never after the constants, broadcasts and index arithmetic of a computation named after
+    its caller's operands (the balancing bias), and one carrying nothing named is unattributed
+    (``other``): before, both were put under quantile_balancing."""
+    b = bd.breakdown(_UNNAMED_COLLECTIVES_HLO)
+    summed = 2 * 64 * 32 * 4 * 3 / 4  # an all-reduce of f32[64,32] over 4 devices
+    assert b.collective_bytes == {"all-reduce": pytest.approx(2 * summed)}
+    assert b.collective_by_dtype == {("all-reduce", "f32"): pytest.approx(2 * summed)}
+    assert b.collective_by_part == {"newton_schulz": pytest.approx(summed), "other": pytest.approx(summed)}
+    _, names, guessed = bd.multipliers(*bd.parse_hlo(_UNNAMED_COLLECTIVES_HLO))
+    assert names[("branch.10", "dynamic-update-slice.21")].endswith("newton_schulz/mul")
+    assert ("branch.10", "all-reduce.23") in guessed and ("branch.10", "all-reduce.22") not in guessed
+
+
 # tiny with 6 layers and an MLA every 2nd layer: dense KDA layer 0, two scanned [MLA, KDA] groups and a
 # final MLA (unrolled and scanned layers, both mixers, dense FFN and MoE)
 TRAIN_BATCH, TRAIN_SEQ = 2, 64

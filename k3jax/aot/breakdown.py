@@ -245,11 +245,18 @@ def _untaken_branches(comps: dict[str, list[Instr]], unknown: int = 1) -> set[tu
 
 
 def multipliers(comps: dict[str, list[Instr]], entry: str,
-                unknown: int = 1) -> tuple[dict[str, float], dict[tuple[str, str], str]]:
-    """Runs per step of every computation reachable from ``entry``, and every instruction's full name:
-    its op_name, prefixed with its first caller's when relative; an instruction whose name holds no part
-    (no metadata: XLA's own rewrites, e.g. the dense transpose of a ragged dot) takes the name of an
-    operand that has one, the latest in the step (a backward operand makes it backward work)."""
+                unknown: int = 1) -> tuple[dict[str, float], dict[tuple[str, str], str], set[tuple[str, str]]]:
+    """Runs per step of every computation reachable from ``entry``, every instruction's full name, and
+    the instructions whose name is only a guess.
+
+    The name is the instruction's op_name, prefixed with its first caller's when relative. One whose
+    name holds no part (no metadata: XLA's own rewrites, e.g. the dense transpose of a ragged dot, or
+    the zero-padded buffer of a gather written as an all-reduce) takes the name of an operand that has
+    one, the latest in the step (a backward operand makes it backward work); failing that, its
+    computation's (the caller's name). A name is a guess when it comes from a computation whose caller
+    has no part of its own (a conditional or loop named after one of its operands, e.g. a state
+    tensor of the balancing bias): constants, broadcasts and index arithmetic so named are never
+    followed, and a collective so named is not put under a part (``breakdown``)."""
     edges = collections.defaultdict(list)
     indegree = collections.Counter()
     untaken = _untaken_branches(comps, unknown)
@@ -261,24 +268,39 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
                     indegree[callee] += 1
     mult = collections.defaultdict(float, {entry: 1.0})
     context = {entry: ""}
+    trusted_context = {entry: False}  # whether a computation's caller has a part of its own
     names: dict[tuple[str, str], str] = {}
+    guessed: set[tuple[str, str]] = set()
     ready = [c for c in comps if indegree[c] == 0]
     while ready:
         comp = ready.pop()
         local: dict[str, str] = {}
+        trusted: set[str] = set()  # named by their own op_name, or after a trusted caller
         for ins in comps[comp]:  # operands come first in HLO text
             name = full_name(ins.op_name, context.get(comp, "")) if ins.op_name else ""
-            if part_of(name) == "other":  # unnamed, or named outside every part (XLA's own ops)
-                named = [local[o] for o in ins.operands if part_of(local.get(o, "")) != "other"]
-                name = max(named, key=_phase_rank) if named else name or context.get(comp, "")
+            if part_of(name) != "other":
+                trusted.add(ins.name)
+            else:  # unnamed, or named outside every part (XLA's own ops)
+                named = [local[o] for o in ins.operands
+                         if part_of(local.get(o, "")) != "other" and (comp, o) not in guessed]
+                if named:
+                    name = max(named, key=_phase_rank)
+                else:
+                    name = name or context.get(comp, "")
+                    if trusted_context.get(comp, False):
+                        trusted.add(ins.name)
+                    else:
+                        guessed.add((comp, ins.name))
             local[ins.name] = names[(comp, ins.name)] = name
         for callee, times, ins in edges[comp]:
             mult[callee] += mult[comp] * times
-            context.setdefault(callee, local[ins.name])
+            if callee not in context:
+                context[callee] = local[ins.name]
+                trusted_context[callee] = ins.name in trusted
             indegree[callee] -= 1
             if indegree[callee] == 0:
                 ready.append(callee)
-    return mult, names
+    return mult, names, guessed
 
 
 def full_name(op_name: str, context: str) -> str:
@@ -432,6 +454,12 @@ def _collective(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]
     return kind, sent
 
 
+def _sent_dtypes(ins: Instr, shapes: dict[str, str]) -> str:
+    """The element types a collective sends: its operands' (an async start's result tuple also holds
+    its output and scalar context), e.g. ``bf16`` or ``f32,u32``."""
+    return ",".join(sorted({dt for o in ins.operands for dt, _ in _arrays(shapes.get(o, ""))})) or "none"
+
+
 @dataclasses.dataclass
 class Breakdown:
     """Per-device totals of one step; keys ``(part, phase)``."""
@@ -440,6 +468,9 @@ class Breakdown:
     hbm_bytes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     collective_bytes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))  # by kind
     collective_by_part: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    # by (kind, the dtypes sent, e.g. "bf16"): a weight's gather in its compute dtype, or in float32 / as
+    # its cast's intermediates (u32 bits, a pred mask packed into u32) where the cast ran after it
+    collective_by_dtype: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     unattributed_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     data_dependent_loops: float = 0.0  # runs of while loops whose trip count depends on the data
 
@@ -467,6 +498,7 @@ class Breakdown:
                           "hbm_bytes": sum(v for (q, _), v in self.hbm_bytes.items() if q == p),
                           "collective_bytes": self.collective_by_part.get(p, 0.0)} for p in parts},
             "collective_bytes": dict(self.collective_bytes),
+            "collective_bytes_by_dtype": {f"{k} {dt}": v for (k, dt), v in sorted(self.collective_by_dtype.items())},
             "unattributed_top": self.unattributed_ops.most_common(10),
             "data_dependent_loops": self.data_dependent_loops,
         }
@@ -476,7 +508,7 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
     """Count the per-device FLOPs, HBM bytes and collective bytes of one step (module docstring), with
     every data-dependent loop run ``data_dependent_trips`` times."""
     comps, entry = parse_hlo(hlo_text)
-    mult, names = multipliers(comps, entry, data_dependent_trips)
+    mult, names, guessed = multipliers(comps, entry, data_dependent_trips)
     fused = {callee for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
              for callee, _ in _callees(ins)}
     out = Breakdown()
@@ -501,7 +533,9 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
             coll = _collective(ins, shapes, comps)
             if coll:
                 out.collective_bytes[coll[0]] += times * coll[1]
-                out.collective_by_part[part] += times * coll[1]
+                out.collective_by_dtype[(coll[0], _sent_dtypes(ins, shapes))] += times * coll[1]
+                # not under a part its name was only guessed for (``multipliers``): unattributed
+                out.collective_by_part["other" if (comp, ins.name) in guessed else part] += times * coll[1]
             if ins.opcode not in _NO_TRAFFIC and not ins.opcode.endswith("-done"):
                 traffic = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
                 out.hbm_bytes[key] += times * traffic

@@ -7,6 +7,11 @@ copy of every stacked weight, live for the whole step. For full K3 on v5p-1024 t
 expert stacks, 10.2 GB per device at the step's peak. The same rounding written as integer operations
 on the float32 bits is not moved, so each layer's weights are rounded where they are used (twice, in
 the forward and in the backward loop: an elementwise pass, against the layer's matmuls).
+
+Under a mesh its result is pinned to the weight's storage layout before the FSDP gather
+(``k3jax.sharding.gather_weight``): its ops then run on each device's shard, and the gather moves the
+bfloat16 result, not its operands (the values and the NaN mask, which sharding propagation otherwise
+gathers).
 """
 
 from __future__ import annotations
