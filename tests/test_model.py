@@ -246,7 +246,7 @@ def test_scan_on_off_same_params_and_logits(tiny6):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["full", "nested", "dots", "selective", "outputs"])
+@pytest.mark.parametrize("remat", ["full", "nested", "dots", "selective", "outputs", "outputs_offload"])
 def test_remat_gives_identical_grads(tiny6, tiny6_grads, remat):
     cfg = tiny6[0]
     assert cfg.remat == "none"
