@@ -38,14 +38,31 @@ def xla_flags(*flags: str) -> str:
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a test's child process: the CPU, this checkout first on the path, and XLA's
+    """The environment of a test's child process: the CPU, this checkout first on the path, XLA's
     optimisation passes off (``JAX_DISABLE_MOST_OPTIMIZATIONS``, as the in-process ``fast_xla`` fixture):
     compiling the tiny model's train step takes about half the time and the values the tests compare
-    are unchanged (every process of a test runs with the same setting). ``extra`` overrides."""
+    are unchanged (every process of a test runs with the same setting), and the suite's persistent
+    compilation cache (:func:`compile_cache_env`). ``extra`` overrides."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p))
+    env.update(compile_cache_env())
     env.update(extra)
     return env
+
+
+def compile_cache_env() -> dict[str, str]:
+    """JAX's settings for the test process's persistent compilation cache (k3jax/runtime/compile_cache.py),
+    for a child that does not turn it on itself (the ``children`` modules; ``train.py`` and ``infer.py``
+    do): a later run of the suite loads the children's executables instead of compiling them again (the
+    8-device checks spend about half their CPU time compiling). Empty when the cache is off."""
+    from k3jax.runtime import compile_cache  # here, not above: conftest imports this module before JAX
+
+    directory = compile_cache.resolve()
+    if directory is None:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_COMPILATION_CACHE_MAX_SIZE": str(compile_cache.MAX_BYTES),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                                                                         str(compile_cache.MIN_COMPILE_S))}
 
 
 def run_child(module: str, *args: str, n: int = 8, timeout: int = 900, **env: str) -> str:
