@@ -221,7 +221,9 @@ def test_statements_join_only_open_strings_and_brackets():
 # The optimizer's branch as XLA:TPU leaves it: the conditional is named only by its operands (the
 # balancing bias among them); inside, a Newton-Schulz block summed over the devices as the all-reduce
 # of a zero-padded buffer (no op_name: XLA's rewrite of an all-gather), and an all-reduce of the
-# branch's operand itself, of which nothing in the HLO says whose it is.
+# branch's operand itself, of which nothing in the HLO says whose it is. Outside, one all-reduce of a
+# tuple (XLA combines collectives): a KDA weight's padded gather, whose offset is a constant XLA named
+# after the balancing, and a Newton-Schulz block of the same size.
 _UNNAMED_COLLECTIVES_HLO = """HloModule jit_step
 
 %add.1 (a.2: f32[], b.3: f32[]) -> f32[] {
@@ -253,23 +255,35 @@ ENTRY %main.30 (p0.31: f32[64,32], p1.32: s32[64]) -> f32[64,32] {
   %add.33 = s32[64]{0} add(%p1.32, %p1.32), metadata={op_name="jit(step)/quantile_balancing/add"}
   %tuple.34 = (f32[64,32]{1,0}, s32[64]{0}) tuple(%p0.31, %add.33)
   %constant.35 = s32[] constant(0)
-  ROOT %conditional.36 = f32[64,32]{1,0} conditional(%constant.35, %tuple.34), branch_computations={%branch.10}, metadata={op_name="jit(step)/cond"}
+  %conditional.36 = f32[64,32]{1,0} conditional(%constant.35, %tuple.34), branch_computations={%branch.10}, metadata={op_name="jit(step)/cond"}
+  %convert.37 = bf16[32,32]{1,0} convert(%p0.31), metadata={op_name="jit(step)/while/body/closed_call/kda/convert_element_type"}
+  %constant.38 = s32[] constant(0), metadata={op_name="jit(step)/quantile_balancing/scatter-add"}
+  %constant.39 = bf16[] constant(0)
+  %broadcast.40 = bf16[128,32]{1,0} broadcast(%constant.39), dimensions={}
+  %dynamic-update-slice.41 = bf16[128,32]{1,0} dynamic-update-slice(%broadcast.40, %convert.37, %constant.38, %constant.38)
+  %multiply.42 = f32[64,32]{1,0} multiply(%p0.31, %p0.31), metadata={op_name="jit(step)/cond/branch_1_fun/optimizer/newton_schulz/mul"}
+  ROOT %all-reduce.43 = (bf16[128,32]{1,0}, f32[64,32]{1,0}) all-reduce(%dynamic-update-slice.41, %multiply.42), replica_groups={{0,1,2,3}}, to_apply=%add.1
 }
 """
 
 
 def test_collectives_without_op_name_go_by_what_they_carry_or_unattributed():
     """A collective without an op_name is named after the operand it carries (the Newton-Schulz
-    block), never after the constants, broadcasts and index arithmetic of a computation named after
-    its caller's operands (the balancing bias), and one carrying nothing named is unattributed
-    (``other``): before, both were put under quantile_balancing."""
+    block, the KDA weight), never after the constants, broadcasts and index arithmetic of a
+    computation named after its caller's operands (the balancing bias) nor after a scalar offset; a
+    combined one splits its bytes over its operands' parts; one carrying nothing named is
+    unattributed (``other``). Before, all of them were put under quantile_balancing."""
     b = bd.breakdown(_UNNAMED_COLLECTIVES_HLO)
-    summed = 2 * 64 * 32 * 4 * 3 / 4  # an all-reduce of f32[64,32] over 4 devices
-    assert b.collective_bytes == {"all-reduce": pytest.approx(2 * summed)}
-    assert b.collective_by_dtype == {("all-reduce", "f32"): pytest.approx(2 * summed)}
-    assert b.collective_by_part == {"newton_schulz": pytest.approx(summed), "other": pytest.approx(summed)}
+    summed = 2 * 64 * 32 * 4 * 3 / 4  # an all-reduce of f32[64,32] (or bf16[128,32]) over 4 devices
+    assert b.collective_bytes == {"all-reduce": pytest.approx(4 * summed)}
+    assert b.collective_by_dtype == {("all-reduce", "f32"): pytest.approx(2 * summed),
+                                     ("all-reduce", "bf16,f32"): pytest.approx(2 * summed)}
+    assert b.collective_by_part == {"newton_schulz": pytest.approx(2 * summed), "kda": pytest.approx(summed),
+                                    "other": pytest.approx(summed)}
+    entry = "main.30"
     _, names, guessed = bd.multipliers(*bd.parse_hlo(_UNNAMED_COLLECTIVES_HLO))
     assert names[("branch.10", "dynamic-update-slice.21")].endswith("newton_schulz/mul")
+    assert names[(entry, "dynamic-update-slice.41")].endswith("kda/convert_element_type")
     assert ("branch.10", "all-reduce.23") in guessed and ("branch.10", "all-reduce.22") not in guessed
 
 

@@ -253,10 +253,11 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
     name holds no part (no metadata: XLA's own rewrites, e.g. the dense transpose of a ragged dot, or
     the zero-padded buffer of a gather written as an all-reduce) takes the name of an operand that has
     one, the latest in the step (a backward operand makes it backward work); failing that, its
-    computation's (the caller's name). A name is a guess when it comes from a computation whose caller
-    has no part of its own (a conditional or loop named after one of its operands, e.g. a state
-    tensor of the balancing bias): constants, broadcasts and index arithmetic so named are never
-    followed, and a collective so named is not put under a part (``breakdown``)."""
+    computation's (the caller's name). Scalar operands (indices, e.g. a dynamic slice's offsets, and
+    constants XLA shares between parts) are not followed. A name is a guess when it comes from a
+    computation whose caller has no part of its own (a conditional or loop named after one of its
+    operands, e.g. a state tensor of the balancing bias): constants, broadcasts and index arithmetic
+    so named are never followed, and a collective so named is not put under a part (``breakdown``)."""
     edges = collections.defaultdict(list)
     indegree = collections.Counter()
     untaken = _untaken_branches(comps, unknown)
@@ -276,13 +277,14 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
         comp = ready.pop()
         local: dict[str, str] = {}
         trusted: set[str] = set()  # named by their own op_name, or after a trusted caller
+        scalars = {ins.name for ins in comps[comp] if _is_scalar(ins.shape)}
         for ins in comps[comp]:  # operands come first in HLO text
             name = full_name(ins.op_name, context.get(comp, "")) if ins.op_name else ""
             if part_of(name) != "other":
                 trusted.add(ins.name)
             else:  # unnamed, or named outside every part (XLA's own ops)
-                named = [local[o] for o in ins.operands
-                         if part_of(local.get(o, "")) != "other" and (comp, o) not in guessed]
+                named = [local[o] for o in ins.operands if part_of(local.get(o, "")) != "other"
+                         and (comp, o) not in guessed and o not in scalars]  # indices say nothing
                 if named:
                     name = max(named, key=_phase_rank)
                 else:
@@ -301,6 +303,11 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
             if indegree[callee] == 0:
                 ready.append(callee)
     return mult, names, guessed
+
+
+def _is_scalar(shape: str) -> bool:
+    arrays = _arrays(shape)
+    return len(arrays) == 1 and not arrays[0][1] and not shape.startswith("(")
 
 
 def full_name(op_name: str, context: str) -> str:
@@ -454,6 +461,22 @@ def _collective(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]
     return kind, sent
 
 
+def _collective_parts(ins: Instr, coll: tuple[str, float], comp: str, names: dict[tuple[str, str], str],
+                      guessed: set[tuple[str, str]], shapes: dict[str, str]) -> list[tuple[str, float]]:
+    """(part, bytes) of one collective: its own op_name's part; else, by what it carries, each
+    operand's part for its share of the bytes (XLA combines the gathers and gradient sums of several
+    parts into one collective of a tuple, with no op_name); ``other`` (unattributed) for what carries
+    no part or only a guessed one (``multipliers``)."""
+    if part_of(ins.op_name) != "other":
+        return [(part_of(ins.op_name), coll[1])]
+    sizes = [(o, shape_bytes(shapes.get(o, ""))) for o in ins.operands]
+    total = sum(b for _, b in sizes)
+    if coll[0] == "ragged-all-to-all" or len(sizes) < 2 or not total:
+        return [("other" if (comp, ins.name) in guessed else part_of(names.get((comp, ins.name), "")), coll[1])]
+    return [("other" if (comp, o) in guessed else part_of(names.get((comp, o), "")), coll[1] * b / total)
+            for o, b in sizes]
+
+
 def _sent_dtypes(ins: Instr, shapes: dict[str, str]) -> str:
     """The element types a collective sends: its operands' (an async start's result tuple also holds
     its output and scalar context), e.g. ``bf16`` or ``f32,u32``."""
@@ -534,8 +557,8 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
             if coll:
                 out.collective_bytes[coll[0]] += times * coll[1]
                 out.collective_by_dtype[(coll[0], _sent_dtypes(ins, shapes))] += times * coll[1]
-                # not under a part its name was only guessed for (``multipliers``): unattributed
-                out.collective_by_part["other" if (comp, ins.name) in guessed else part] += times * coll[1]
+                for carried, sent in _collective_parts(ins, coll, comp, names, guessed, shapes):
+                    out.collective_by_part[carried] += times * sent
             if ins.opcode not in _NO_TRAFFIC and not ins.opcode.endswith("-done"):
                 traffic = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
                 out.hbm_bytes[key] += times * traffic
