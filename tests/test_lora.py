@@ -309,7 +309,7 @@ def test_lora_run_resumes_bit_exact_and_converts(tmp_path):
     base_cfg = load_config("tiny", SMALL)
     checkpoint.save_model(tmp_path / "base" / "checkpoints", create_model(base_cfg.model, seed=4), base_cfg, step=7)
     lora_args = ["train.lora.rank=4", "train.lora.dropout=0.1", f"train.init_from={tmp_path / 'base'}"]
-    env = train_env(tmp_path / "jax_cache")
+    env = train_env()
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run(train_cmd(straight, *lora_args), env=env, check=True, capture_output=True, timeout=900)
     proc = subprocess.Popen(train_cmd(stopped, *lora_args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

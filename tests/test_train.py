@@ -32,9 +32,10 @@ def train_cmd(run_dir, *extra):
             f"run_dir={run_dir}", *extra]
 
 
-def train_env(cache_dir):
-    # One compile for the three processes: the persistent cache serves the later ones.
-    return subprocess_env(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+def train_env():
+    # The suite's persistent compilation cache (cpu_devices.compile_cache_env), every program in it: one
+    # compile for a test's processes (the later ones load it), none in a later run of the suite.
+    return subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def logged_steps(run_dir) -> int:
@@ -46,7 +47,7 @@ def logged_steps(run_dir) -> int:
 
 @pytest.mark.slow
 def test_ctrl_c_then_resume_reproduces_every_loss(tmp_path):
-    env = train_env(tmp_path / "jax_cache")
+    env = train_env()
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run(train_cmd(straight), env=env, check=True, capture_output=True, timeout=900)
 

@@ -36,7 +36,7 @@ def _losses(run_dir) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_resume_on_another_mesh_continues_the_run(tmp_path):
-    env = train_env(tmp_path / "cache")
+    env = train_env()
     straight = tmp_path / "straight"
     _train(straight, env)
 
@@ -66,7 +66,7 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_same_seed_same_initial_state_on_one_and_eight_devices(tmp_path):
-    env = dict(train_env(tmp_path / "cache"), XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
+    env = dict(train_env(), XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     proc = subprocess.run([sys.executable, "-m", "children.init_on_two_meshes", *SMALL, "train.batch_size=8"], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
