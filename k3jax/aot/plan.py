@@ -39,7 +39,10 @@ _K3_TRAIN = ("model.remat=full", "model.moe.ep_capacity_factor=2.0", "train.opti
 # K2 (no KDA, fewer experts per token) has the memory to keep the expert and attention outputs instead
 # of recomputing them (1.33x instead of 1.64x the model FLOPs), once its expert buffers are cut to
 # 1.25x the fair share (QB's busiest expert sits near 1.1-1.2x; `expert_imbalance` reports it per layer)
-_K2_TRAIN = ("model.remat=selective", "model.moe.ep_capacity_factor=1.25", "train.optim.muon_dtype=bfloat16")
+# float32 master weights: the precision this row was measured at (docs/scale.md) before configs/k2.yaml's
+# default became bf16 weights with stochastic rounding
+_K2_TRAIN = ("model.remat=selective", "model.moe.ep_capacity_factor=1.25", "train.optim.muon_dtype=bfloat16",
+             "model.param_dtype=float32", "train.optim.weight_rounding=nearest")
 _K3_LORA = ("train.lora.rank=16", "train.lora.targets=[mla,kda,shared]", "quant.experts=mxfp4",
             "model.param_dtype=bfloat16", "model.remat=full", "model.moe.ep_capacity_factor=2.0")
 PLAN: tuple[Job, ...] = (
