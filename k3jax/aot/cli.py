@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{job.config} {job.mode} on {job.slice} ({mesh_text(dataclasses.asdict(job.mesh))}):", flush=True)
         r = compiling.compile_job(job, flops=not args.no_flops, breakdown=args.breakdown is not None,
                         log=lambda s: print(s, flush=True))
+        host = f", host memory {gib(r.host_temp_bytes)} GiB" if r.host_temp_bytes else ""
         print(f"  {'fits' if r.fits else 'DOES NOT FIT'} ({verdict(r)}): memory_analysis {gib(r.total_bytes)} GiB, "
-              f"HBM {gib(r.hbm_bytes)}"
+              f"HBM {gib(r.hbm_bytes)}{host}"
               f"{' (' + r.error + ')' if r.error else ''}; {r.compile_seconds:.0f} s", flush=True)
         if r.breakdown is not None:
             text, data = breakdown_report(r)

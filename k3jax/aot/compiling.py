@@ -75,6 +75,9 @@ class Result:
     alias_bytes: int = 0
     temp_bytes: int = 0
     code_bytes: int = 0
+    # host memory (pinned_host) the program holds per device at its peak: residuals a remat policy offloads
+    # (model.remat=outputs_offload), moved to the host in the forward pass and back in the backward
+    host_temp_bytes: int = 0
     compiled_flops: float = 0.0  # per device, loop bodies counted once (XLA's cost analysis)
     step_flops: float = 0.0  # all devices, loop trip counts applied (module docstring); 0 = not measured
     model_flops: float = 0.0  # 6 (train; 4 + adapters for LoRA) or 2 (decode) * N_active * tokens (analytic.model_flops)
@@ -151,7 +154,7 @@ def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
     return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
                 alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
-                code_bytes=m.generated_code_size_in_bytes)
+                code_bytes=m.generated_code_size_in_bytes, host_temp_bytes=m.host_temp_size_in_bytes)
 
 
 def _flops(compiled) -> float:

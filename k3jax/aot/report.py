@@ -28,6 +28,7 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
         "attributed_share": b.attributed_share,
         "compute_s_at_peak": compute_s, "collective_s_at_ici": comm_s,
         "collective_bytes": dict(b.collective_bytes), "memory_gib": r.total_bytes / GIB,
+        "host_memory_gib": r.host_temp_bytes / GIB,
         "data_dependent_loops": b.data_dependent_loops,
     }
     z = r.breakdown_no_overflow
@@ -44,6 +45,10 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
               + (f"Newton-Schulz {summary['ns_ratio']:.2f}x its analytic count per device; " if r.ns_flops else "")
               + f"{b.attributed_share:.1%} attributed; "
               f"compute at peak {compute_s:.2f} s, collectives at ICI {comm_s:.2f} s"]
+    if r.host_temp_bytes:  # offloaded residuals cross the host link twice per step (out and back)
+        lines += [f"host memory {gib(r.host_temp_bytes)} GiB per device (offloaded residuals): "
+                  f"{2 * r.host_temp_bytes / 1e9:.1f} GB over the host link per step, "
+                  f"{2 * r.host_temp_bytes / 1e9 / compute_s:.1f} GB/s to hide behind the compute at peak"]
     if z is not None:
         w = summary["without_data_dependent_loops"]
         lines += [f"{b.data_dependent_loops:.0f} data-dependent loop runs (the dropless exchange's overflow rounds) "
