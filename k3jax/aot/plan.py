@@ -57,10 +57,10 @@ PLAN: tuple[Job, ...] = (
         overrides=("train.batch_size=4096", "train.grad_accum=16", "train.grad_dtype=bfloat16", *_K3_TRAIN),
         note="16 micro-batches, bf16 gradients"),
     # the same step on half the chips, held to 90 GiB per device (headroom under the 95.74): capacity 1.25, the in-place
-    # optimizer and unhoisted weight casts (docs/scale.md)
+    # optimizer, unhoisted weight casts, and the mixers' input projections offloaded to host memory (docs/scale.md)
     Job("k3", "train", "v5p-1024", MeshConfig(data=1, fsdp=2, expert=64, sequence=4), batch=256, seq_len=4096,
-        overrides=("train.batch_size=256", "model.remat=full", "model.moe.ep_capacity_factor=1.25",
-                   "train.optim.muon_dtype=bfloat16"), note="capacity 1.25", hbm_gib=90),
+        overrides=("train.batch_size=256", "model.remat=outputs_offload", "model.moe.ep_capacity_factor=1.25",
+                   "train.optim.muon_dtype=bfloat16"), note="capacity 1.25, outputs_offload", hbm_gib=90),
     Job("k3", "decode", "v5p-128", MeshConfig(data=1, fsdp=1, expert=64), batch=1, seq_len=1 << 20,
         overrides=("model.param_dtype=bfloat16",), note="bf16 weights"),
     Job("k3", "decode", "v5p-64", MeshConfig(data=1, fsdp=1, expert=32), batch=1, seq_len=1 << 20,
