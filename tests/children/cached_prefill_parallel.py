@@ -1,12 +1,14 @@
 """The 8-device checks of ``tests/test_cached_prefill_parallel.py`` (its docstring lists them): a prefill chunk
 whose time axis is split over devices runs KDA through the sequence-parallel fold seeded with the cache."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from chunked_prefill import prefill_in_chunks
+from chunked_prefill import prefill_padded_rows
 from cpu_devices import rel
 from k3jax import cache as cache_lib
 from k3jax import create_model, load_config
@@ -17,7 +19,7 @@ from k3jax.ops.conv import causal_conv1d
 from k3jax.ops.kda import chunk_kda
 from k3jax.ops.norms import l2_norm
 from k3jax.parallel import sequence
-from k3jax.sharding import CACHE_AXES, cache_shardings, make_mesh, named_sharding, parse_mesh, shard_model
+from k3jax.sharding import CACHE_AXES, make_mesh, named_sharding, parse_mesh, shard_model
 
 
 def main() -> None:
@@ -140,13 +142,7 @@ def main() -> None:
 
     sequence.chunk_kda = recording_kda
 
-    def run(batch, state, mesh=None):
-        tokens = jax.random.randint(jax.random.key(batch), (batch, sum(lengths)), 0, cfg.vocab_size)
-        token_valid = jnp.ones(tokens.shape, bool).at[1:, :50].set(False)  # row 1: 50 slots of left padding
-        cache = model.init_cache(batch, 256)
-        if mesh is not None:
-            cache = jax.device_put(cache, cache_shardings(cache, mesh))
-        return prefill_in_chunks(step, state, tokens, token_valid, cache, lengths)
+    run = functools.partial(prefill_padded_rows, model, step, lengths, 256, 50)  # run(batch, state, mesh=None)
 
     model_err = 0.0
     for batch, meshes in ((1, ("expert=8",)), (2, ("sequence=8", "fsdp=2,expert=4"))):

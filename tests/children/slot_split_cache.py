@@ -5,19 +5,21 @@ and prefills a chunk into a partly filled 4096-slot cache split 8 (or 4) ways wi
 and cache; and the compiled programs' collectives move the partials or the cache once, where the
 GSPMD-partitioned loops move the cache per key block. Run by ``tests/test_cache_attention.py``."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from chunked_prefill import prefill_in_chunks
+from chunked_prefill import prefill_padded_rows
 from cpu_devices import rel
 from k3jax import create_model, load_config
 from k3jax.aot import breakdown as hlo_breakdown
 from k3jax.ops.attention import chunked_attention
 from k3jax.parallel import cache_attention as ca
-from k3jax.sharding import cache_shardings, logical_to_spec, make_mesh, parse_mesh, shard_model
+from k3jax.sharding import logical_to_spec, make_mesh, parse_mesh, shard_model
 
 
 def main() -> None:
@@ -116,13 +118,7 @@ def main() -> None:
     rule = ca.choose_split
     ca.choose_split = lambda **kw: chosen.setdefault(kw["queries"], rule(**kw))
 
-    def run(batch, state, mesh=None):
-        tokens = jax.random.randint(jax.random.key(batch), (batch, sum(lengths)), 0, cfg.vocab_size)
-        token_valid = jnp.ones(tokens.shape, bool).at[1:, :10].set(False)  # row 1 left-padded
-        cache = model.init_cache(batch, 4096)
-        if mesh is not None:
-            cache = jax.device_put(cache, cache_shardings(cache, mesh))
-        return prefill_in_chunks(step, state, tokens, token_valid, cache, lengths)
+    run = functools.partial(prefill_padded_rows, model, step, lengths, 4096, 10)  # run(batch, state, mesh=None)
 
     worst = 0.0
     for batch, meshes in ((1, ("expert=8",)), (2, ("sequence=8", "fsdp=2,expert=4"))):
