@@ -251,3 +251,32 @@ def test_resuming_drops_the_metrics_of_rolled_back_steps(tmp_path):
     again = RunLog(tmp_path, step=5, tensorboard=False)
     again.close()
     assert again.rolled_back == 0
+
+
+def _tensorboard_scalars(run_dir) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in the run's TensorBoard event files, read as TensorBoard does:
+    TFRecords (length, its CRC, an ``Event`` proto, its CRC) of ``tensorboard/events.out.tfevents.*``."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for path in sorted((pathlib.Path(run_dir) / "tensorboard").glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            out.extend((event.step, v.tag, v.simple_value) for v in event.summary.value)
+    return out
+
+
+def test_run_log_writes_tensorboard_scalars_without_importing_torch(tmp_path):
+    """The run log's scalars reach TensorBoard's event files, and a training process does not pay for
+    importing torch to write them (tensorboardX imports it where it can)."""
+    code = ("import sys; from k3jax.training.run_log import RunLog; log = RunLog(sys.argv[1], step=0); "
+            "log.write({'step': 3, 'loss': 2.5, 'expert_imbalance': {'1': 1.25}}); log.close(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=subprocess_env(), check=True, timeout=300)
+    scalars = _tensorboard_scalars(tmp_path)
+    assert (3, "loss", 2.5) in scalars and any(step == 3 and value == 1.25 for step, _, value in scalars), scalars
