@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cpu_devices import free_port, subprocess_env, xla_flags
-from test_train import logged_steps
+from test_train import STEPS, logged_steps, train_cmd, train_env  # train.py runs: test_train's two-layer tiny
 from k3jax.training import checkpoint
 from k3jax.config import load_config
 from k3jax.data.chat import ConversationToPieces, open_conversations, scan_conversations
@@ -30,9 +30,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # In-process runs: a one-layer tiny on short rows (the program test_train_without_eval compiles too).
 ONE_LAYER = ["model.num_layers=1", "train.seq_len=16", "train.batch_size=2", "train.log_every=1",
              "train.data.eval_fraction=0", "train.checkpoint_every=2"]
-# train.py runs: the two-layer tiny of tests/test_train.py (KDA + MLA with the latent MoE).
-SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32", "train.batch_size=4",
-         "train.grad_accum=2", "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
 
 
 def _train(tmp_path, name, *overrides, **kw):
@@ -268,7 +265,9 @@ def test_a_run_counts_skipped_records_in_its_metrics_or_stops(tmp_path, capsys):
 # --- SIGTERM ------------------------------------------------------------------------------------------
 
 
-def _sigterm_when(proc, run_dir, step: int, in_flight_save: bool = False) -> str:
+def _signal_when(proc, run_dir, step: int, sig=signal.SIGTERM, in_flight_save: bool = False) -> str:
+    """Send ``sig`` to ``proc`` once ``run_dir`` has logged ``step`` (and, with ``in_flight_save``, while a
+    checkpoint is still being written); its output."""
     deadline = time.time() + 900
     while logged_steps(run_dir) < step and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -277,38 +276,43 @@ def _sigterm_when(proc, run_dir, step: int, in_flight_save: bool = False) -> str
         while not any(".orbax-checkpoint-tmp" in p.name for p in tmp.glob("*")) and proc.poll() is None \
                 and time.time() < deadline:
             time.sleep(0.005)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     return proc.communicate(timeout=600)[0].decode()
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_step_and_during_an_async_save_then_resume(tmp_path):
-    steps = 10
-    env = subprocess_env()
-
-    def cmd(run):
-        return [sys.executable, str(ROOT / "train.py"), "--sample-tokens", "0", *SMALL, f"train.steps={steps}",
-                f"run_dir={run}"]
-
+def test_sigterm_during_an_async_save_and_ctrl_c_during_a_step_then_resume(tmp_path):
+    """A train.py run stopped twice, by SIGTERM (a preempted VM) while its checkpoint is being written and
+    by Ctrl-C during a step of the resumed run, each time saving the step it stopped at, then finished by the
+    same command, logs every value of the uninterrupted run bit for bit."""
+    env = train_env()
     straight, run = tmp_path / "straight", tmp_path / "run"
-    subprocess.run(cmd(straight), env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(train_cmd(straight), env=env, check=True, capture_output=True, timeout=900)
 
-    # 1. during the asynchronous save of checkpoint 4
-    proc = subprocess.Popen(cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = _sigterm_when(proc, run, 4, in_flight_save=True)
+    # 1. SIGTERM during the asynchronous save of checkpoint 4
+    proc = subprocess.Popen(train_cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = _signal_when(proc, run, 4, in_flight_save=True)
     assert proc.returncode == 143, out
     first = logged_steps(run)
-    assert 4 <= first < steps and f"SIGTERM: stopped at step {first}" in out, out
+    assert 4 <= first < STEPS and f"SIGTERM: stopped at step {first}" in out, out
     assert checkpoint.latest_step(run / "checkpoints") == first  # saved at the next step boundary
-    # 2. during a step of the resumed run
-    proc = subprocess.Popen(cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = _sigterm_when(proc, run, first + 2)
-    assert proc.returncode == 143 and f"resumed from {run / 'checkpoints'} at step {first}" in out, out
+    # 2. Ctrl-C during a step of the resumed run
+    proc = subprocess.Popen(train_cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = _signal_when(proc, run, first + 2, signal.SIGINT)
+    assert proc.returncode == 130 and f"resumed from {run / 'checkpoints'} at step {first}" in out, out
     second = logged_steps(run)
-    assert first < second < steps and checkpoint.latest_step(run / "checkpoints") == second, out
-    # 3. the same command finishes; every loss is the uninterrupted run's
-    subprocess.run(cmd(run), env=env, check=True, capture_output=True, timeout=900)
-    assert _losses(run) == _losses(straight) and len(_losses(run)) == steps
+    assert first < second < STEPS and checkpoint.latest_step(run / "checkpoints") == second, out
+    # 3. the same command finishes; every logged value is the uninterrupted run's
+    done = subprocess.run(train_cmd(run), env=env, check=True, capture_output=True, timeout=900)
+    assert f"resumed from {run / 'checkpoints'} at step {second}" in (done.stdout + done.stderr).decode()
+    want, got = read_metrics(straight), read_metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got):
+        for key in ("loss", "grad_norm", "lr", "expert_imbalance", "eval_loss"):
+            assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+    losses = [r["loss"] for r in want if "loss" in r]
+    assert len(losses) == STEPS and np.all(np.isfinite(losses))
+    assert (run / "loss.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
 
 
 @pytest.mark.slow
