@@ -8,12 +8,15 @@ task's items, and ``python -m k3jax.eval``'s arguments."""
 
 from __future__ import annotations
 
+import functools
+import json
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from k3jax import create_model, generate, load_config
 from k3jax.tokenizer import ByteTokenizer
@@ -29,6 +32,7 @@ from k3jax.evaluation import TASKS_DIR, K3JaxLM  # noqa: E402
 
 # the longest kjv_cloze context + choice is 251 bytes: nothing is truncated
 MAX_LEN, CHUNK, BATCH = 256, 64, 4
+ROWS = 16  # forward_logprobs' batch: one compiled forward for the 192 scored sequences and the rolling texts
 OVERRIDES = ["model.num_layers=5", f"model.max_seq_len={MAX_LEN}", "train.seq_len=32", "model.init_std=0.1"]
 TOK = ByteTokenizer()
 NEWLINE = TOK.encode("\n")[0]  # the byte tokenizer has no BOS / EOS: rolling windows start from a newline
@@ -40,6 +44,21 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def direct(model):
+    """``direct_scores`` of the model, each list of docs scored once for the module (the server and
+    the in-process runs compare against the same 48 docs)."""
+    scored = {}
+
+    def scores(docs: list[dict]) -> list[list[tuple[float, bool]]]:
+        key = json.dumps(docs, sort_keys=True)
+        if key not in scored:
+            scored[key] = direct_scores(model, docs)
+        return scored[key]
+
+    return scores
+
+
+@pytest.fixture(scope="module")
 def in_process(model):
     lm = K3JaxLM(model=model, tokenizer=TOK, batch_size=BATCH, max_length=MAX_LEN, prefill_chunk=CHUNK,
                  prefix_token=NEWLINE)
@@ -47,13 +66,22 @@ def in_process(model):
     lm.close()
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logprobs(graphdef, state, tokens):
+    """log_softmax (float32) of the logits of ``tokens`` ``[ROWS, MAX_LEN]``: the weights are an
+    argument, not constants of the program, so every call shares one compile."""
+    logits, _ = nnx.merge(graphdef, state)(tokens)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
 def forward_logprobs(model, sequences: list[list[int]]) -> list[np.ndarray]:
     """log_softmax (float32) of the model's logits over each sequence alone, ``[len, V]`` each."""
-    padded = np.zeros((len(sequences), MAX_LEN), np.int32)
+    padded = np.zeros((-(-len(sequences) // ROWS) * ROWS, MAX_LEN), np.int32)
     for i, s in enumerate(sequences):
         padded[i, :len(s)] = s
-    logits, _ = jax.jit(lambda t: model(t))(jnp.asarray(padded))
-    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    graphdef, state = nnx.split(model)
+    logp = np.concatenate([np.asarray(_logprobs(graphdef, state, jnp.asarray(padded[i:i + ROWS])))
+                           for i in range(0, len(padded), ROWS)])
     return [logp[i, :len(s)] for i, s in enumerate(sequences)]
 
 
@@ -75,11 +103,12 @@ def run_task(lm, model_args=None) -> dict:
                                    bootstrap_iters=0)
 
 
-def check_against_direct(results: dict, model):
+def check_against_direct(results: dict, scores):
+    """``scores``: the ``direct`` fixture."""
     samples = sorted(results["samples"]["kjv_cloze"], key=lambda s: s["doc_id"])
     docs = [s["doc"] for s in samples]
     assert len(docs) == 48
-    direct = direct_scores(model, docs)
+    direct = scores(docs)
     for s, want in zip(samples, direct):
         got = [r[0] for r in s["resps"]]
         np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=1e-4, rtol=0)
@@ -92,18 +121,18 @@ def check_against_direct(results: dict, model):
 
 
 @pytest.mark.slow
-def test_local_completions_against_the_server_equals_direct_scoring(model):
+def test_local_completions_against_the_server_equals_direct_scoring(model, direct):
     engine = Engine(model, max_batch=BATCH, max_len=MAX_LEN, prefill_chunk=CHUNK, max_queue=16)
     with running_server(engine) as url:
         results = run_task("local-completions", {
             "model": "tiny", "base_url": url + "/v1/completions", "tokenizer_backend": "remote",
             "tokenized_requests": True, "max_length": MAX_LEN, "num_concurrent": 2, "max_retries": 1})
-    check_against_direct(results, model)
+    check_against_direct(results, direct)
 
 
 @pytest.mark.slow
-def test_in_process_model_equals_direct_scoring(model, in_process):
-    check_against_direct(run_task(in_process), model)
+def test_in_process_model_equals_direct_scoring(in_process, direct):
+    check_against_direct(run_task(in_process), direct)
 
 
 @pytest.mark.slow
