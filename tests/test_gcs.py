@@ -16,16 +16,14 @@ import numpy as np
 import pytest
 
 from cpu_devices import subprocess_env
+from test_train import SMALL
 from gcs_emulator import BUCKET, gcs_emulator
 from k3jax.runtime import compile_cache, storage
 from k3jax.training import run_lock
 from k3jax.data.sources import BadRecordError, GuardedRecords, JsonlDocuments, open_documents
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The main job's config (tiny K3), two layers on short rows, checkpointed every 4 steps.
-SMALL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=32", "train.batch_size=4",
-         "train.grad_accum=2", "train.log_every=1", "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
-STEPS = 8
+STEPS = 8  # of test_train's SMALL: the main job's config (tiny K3), two layers on short rows, checkpointed every 4
 
 
 @pytest.fixture(scope="module")
