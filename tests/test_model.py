@@ -131,11 +131,38 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tiny6():
+    """tiny6 on ``TOK``: ``(cfg, model, fwd, logits, grads)``. One forward + backward program gives the
+    logits and the gradients; ``fwd`` is that program's logits for other tokens of ``TOK``'s shape
+    (no recompile) and a plain forward program for other shapes."""
     cfg = load_config("tiny", TINY6).model
     model = create_model(cfg, seed=0)
     assert model.plan.prefix == (0,) and model.plan.num_groups == 2 and model.plan.suffix == (5,)
-    fwd = compiled_forward(model)
-    return cfg, model, fwd, fwd(TOK)
+    cot = _cotangent(TOK, cfg.vocab_size)
+    grad = compiled_grad(model, with_logits=True)
+    logits, grads = grad(TOK, cot)
+    forward = compiled_forward(model)
+
+    def fwd(tokens):
+        return grad(tokens, cot)[0] if tokens.shape == TOK.shape else forward(tokens)
+
+    return cfg, model, fwd, logits, _flat_grads(grads)
+
+
+@pytest.fixture(scope="module")
+def unrolled6(tiny6):
+    """tiny6 with ``scan_layers=False`` (same seed: the same parameters) and its ``forward(TOK,
+    max_logits=True)``, one program for the logits and the per-layer max logits:
+    ``(model, logits, max_logits)``."""
+    model = create_model(dataclasses.replace(tiny6[0], scan_layers=False), seed=0)
+    logits, max_logits = max_logits_forward(model, TOK)
+    return model, logits, max_logits
+
+
+def max_logits_forward(model, tokens):
+    """``forward(tokens, max_logits=True)`` jitted: (logits, {layer: max logit per head})."""
+    graphdef, state = nnx.split(model)
+    out, _, stats = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward(t, max_logits=True))(state, tokens)
+    return out, stats.max_logits
 
 
 # ----------------------------------------------------------------------------- shapes, grads
@@ -150,13 +177,19 @@ def test_tiny_forward_shape_and_finite(tiny):
     assert float(jnp.std(logits[0, 1:] - logits[0, :-1])) > 0  # depends on the token
 
 
+def _cotangent(tok, vocab_size, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(tok.shape + (vocab_size,)), jnp.float32)
+
+
+def _flat_grads(grads):
+    return {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
+
+
 def model_grads(model, tok, seed=1, with_logits=False):
     """{parameter path: gradient}; ``with_logits``: (logits, that) from one compiled program."""
-    cot = jnp.asarray(np.random.default_rng(seed).standard_normal(tok.shape + (model.cfg.vocab_size,)), jnp.float32)
-    out = compiled_grad(model, with_logits)(tok, cot)
+    out = compiled_grad(model, with_logits)(tok, _cotangent(tok, model.cfg.vocab_size, seed))
     logits, grads = out if with_logits else (None, out)
-    flat = {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(nnx.to_pure_dict(grads)).items()}
-    return (logits, flat) if with_logits else flat
+    return (logits, _flat_grads(grads)) if with_logits else _flat_grads(grads)
 
 
 def check_grads_finite_nonzero(model, flat):
@@ -179,7 +212,7 @@ def check_grads_finite_nonzero(model, flat):
 
 @pytest.fixture(scope="module")
 def tiny6_grads(tiny6):
-    return model_grads(tiny6[1], TOK)
+    return tiny6[4]
 
 
 def test_tiny6_grads_finite_and_nonzero(tiny6, tiny6_grads):
@@ -225,9 +258,9 @@ def test_small_forward_shape_and_finite(small):
 # ----------------------------------------------------------------------------- equivalences
 
 
-def test_scan_on_off_same_params_and_logits(tiny6):
-    cfg, model, _, logits = tiny6
-    unrolled = create_model(dataclasses.replace(cfg, scan_layers=False), seed=0)
+def test_scan_on_off_same_params_and_logits(tiny6, unrolled6):
+    cfg, model, _, logits, _ = tiny6
+    unrolled, unrolled_logits, _ = unrolled6
     assert unrolled.groups is None and len(unrolled.prefix) == cfg.num_layers
     # same seed, same parameter order: every layer's parameters are identical
     scanned_layers = iter_layers(model)
@@ -240,8 +273,7 @@ def test_scan_on_off_same_params_and_logits(tiny6):
     jax.tree.map(np.testing.assert_array_equal, top(model), top(unrolled))
     # the stacked params are not trivially equal across layers (a scan over copies would pass anyway)
     assert not np.array_equal(pure(scanned_layers[2].mixer)["o_proj"], pure(scanned_layers[4].mixer)["o_proj"])
-    out = compiled_forward(unrolled)(TOK)
-    err = rel_err(out, logits)
+    err = rel_err(unrolled_logits, logits)
     assert err < 1e-5, err
 
 
@@ -282,7 +314,7 @@ def test_bf16_compute_close_to_fp32(tiny6):
     """bf16 has an 8-bit mantissa (unit roundoff 2^-9 ~ 2e-3); with ~30 matmul/norm stages the logits
     drift by a few percent of their scale at most. 5% (norm-wise) bounds that while still catching a
     wrong cast (e.g. a bf16 softmax or a dropped residual gives O(1) errors)."""
-    cfg, _, _, logits = tiny6
+    cfg, _, _, logits, _ = tiny6
     model = create_model(dataclasses.replace(cfg, dtype="bfloat16"), seed=0)
     out = compiled_forward(model)(TOK)
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
@@ -319,7 +351,7 @@ def test_packing_isolation_other_families(overrides):
 
 
 def test_single_token(tiny6):
-    cfg, model, fwd, logits = tiny6
+    cfg, model, fwd, logits, _ = tiny6
     out = fwd(TOK[:, :1])
     assert out.shape == (2, 1, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(out)))
     # causality: the first position of the longer sequence saw the same single token
@@ -341,7 +373,7 @@ def test_bad_inputs_raise(tiny):
 
 
 def test_out_of_vocabulary_ids_are_named_eagerly(tiny6):
-    _, model, _, _ = tiny6
+    _, model, _, _, _ = tiny6
     for bad in (256, -1):
         with pytest.raises(ValueError, match=rf"token id {bad} at position \(row 1, column 3\) is outside the "
                                              r"vocabulary \[0, 256\)"):
@@ -351,7 +383,7 @@ def test_out_of_vocabulary_ids_are_named_eagerly(tiny6):
 def test_out_of_vocabulary_ids_under_jit_flag_only_their_position(tiny6):
     """Under jit the id cannot raise: its logits are NaN, nothing else is (the lookup is clamped, so no
     NaN spreads along the row), and the positions before it and the other row are unchanged."""
-    _, _, fwd, clean = tiny6
+    _, _, fwd, clean, _ = tiny6
     for bad in (256, -1):
         out = np.asarray(fwd(TOK.at[1, 3].set(bad)))
         assert np.isnan(out[1, 3]).all() and np.isfinite(np.delete(out[1], 3, axis=0)).all()
@@ -404,16 +436,14 @@ def test_head_max_logits_matches_dense_scores():
             np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_max_logits_come_out_of_the_forward_keyed_by_layer(tiny6):
+def test_max_logits_come_out_of_the_forward_keyed_by_layer(tiny6, unrolled6):
     """``forward(max_logits=True)``: one ``[H]`` entry per MLA layer, the same scanned or unrolled, and
     the logits unchanged."""
-    cfg, model, _, logits = tiny6
-    unrolled = create_model(dataclasses.replace(cfg, scan_layers=False), seed=0)
-    got = {}
-    for m in (model, unrolled):
-        graphdef, state = nnx.split(m)
-        out, _, stats = jax.jit(lambda s, t: nnx.merge(graphdef, s).forward(t, max_logits=True))(state, TOK)
-        got[m.plan.num_groups > 0] = stats.max_logits
+    cfg, model, _, logits, _ = tiny6
+    _, unrolled_logits, unrolled_max = unrolled6
+    scanned_logits, scanned_max = max_logits_forward(model, TOK)
+    got = {True: scanned_max, False: unrolled_max}
+    for out in (scanned_logits, unrolled_logits):
         np.testing.assert_allclose(out, logits, rtol=1e-5, atol=1e-6)
     assert sorted(got[True]) == [i for i in range(cfg.num_layers) if cfg.mixer(i) == "mla"]
     for i, v in got[True].items():
