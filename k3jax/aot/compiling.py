@@ -263,13 +263,17 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
 @contextlib.contextmanager
 def _no_persistent_cache():
     """Topology executables cannot be loaded back without a TPU client, and full-K3 ones are large:
-    keep them out of the persistent compilation cache (``k3jax.runtime.compile_cache``)."""
-    saved = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    keep them out of the persistent compilation cache (``k3jax.runtime.compile_cache``) by a minimum
+    compile time no compile reaches. Turning the cache off here does not work: JAX decides once per
+    process, at its first compile, whether the cache is used, so it either went on writing these
+    executables (then failed to read them back and compiled again) or, decided here, stayed off for
+    every later compile of the process (a test worker's CPU programs)."""
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", saved)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 
 
 def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
