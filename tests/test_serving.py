@@ -362,8 +362,10 @@ def test_write_row_and_shift_slots_keep_decoding_exact():
     model = small_model()
     graphdef, state = nnx.split(model)
     tok = jax.random.randint(jax.random.key(0), (1, 9), 0, 256)
-    step = jax.jit(lambda t, c, v: nnx.merge(graphdef, state)(t, cache=c, token_valid=v))
-    full, _ = jax.jit(lambda t: nnx.merge(graphdef, state)(t))(tok)
+    # the weights are an argument, not constants baked into every program
+    jitted_step = jax.jit(lambda s, t, c, v: nnx.merge(graphdef, s)(t, cache=c, token_valid=v))
+    step = lambda t, c, v: jitted_step(state, t, c, v)  # noqa: E731
+    full, _ = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tok)
     other = jax.random.randint(jax.random.key(1), (1, 6), 0, 256)
     one = model.init_cache(2, 12)
     _, one = step(jnp.concatenate([other, tok[:, :6]]), one, jnp.ones((2, 6), bool))
