@@ -224,9 +224,8 @@ def test_qat_brings_a_moe_layer_towards_its_unquantized_outputs():
 
 @pytest.mark.slow
 def test_qat_fine_tuning_closes_the_quantization_gap():
-    """The tiny model (5 layers, routed experts only) is fitted to two batches in high precision (80
-    steps at the fine-tuning's constant learning rate: the plain fine-tuning's compiled step); then 30
-    more steps either plain or with MXFP4 QAT (the real train step). The quantized model's loss
+    """The tiny model (5 layers, routed experts only) memorises two batches in high precision; then
+    30 more steps either plain or with MXFP4 QAT (the real train step). The quantized model's loss
     gap to the unquantized loss shrinks under QAT, and QAT's quantized loss beats quantizing the
     plainly fine-tuned model (PTQ)."""
     from k3jax.data.pipeline import make_train_dataset
@@ -234,20 +233,17 @@ def test_qat_fine_tuning_closes_the_quantization_gap():
     from k3jax.training.step import TrainState, make_train_step, next_token_loss
 
     base = ["model.num_layers=5", "model.moe.num_shared_experts=0", "model.first_dense_layers=0"]
+    pre = config(*base, "train.steps=80")
     tune = [*base, "train.steps=30", "train.optim.schedule=constant", "train.optim.warmup_steps=0",
             "train.optim.learning_rate=1.0e-3"]
-    fp_cfg, qat_cfg = config(*tune), config(*tune, "quant.experts=mxfp4_qat")
-    it = iter(make_train_dataset(fp_cfg.train))
+    it = iter(make_train_dataset(pre.train))
     fixed = [next(it), next(it)]
-    steps_of = {}  # one compiled train step per config: the pre-training and the plain fine-tuning share one
 
     def train(cfg, model, steps):
         with nnx.use_eager_sharding(False):
             ts = TrainState(model, make_optimizer(cfg.train.optim, model, cfg.train.steps))
         graphdef, state = nnx.split(ts)
-        if cfg not in steps_of:
-            steps_of[cfg] = make_train_step(graphdef, cfg)
-        step = steps_of[cfg]
+        step = make_train_step(graphdef, cfg)
         for i in range(steps):
             state, _ = step(state, fixed[i % len(fixed)])
         return nnx.merge(graphdef, state).model
@@ -275,7 +271,8 @@ def test_qat_fine_tuning_closes_the_quantization_gap():
     def copy(model, cfg):
         return with_state(cfg, jax.tree.map(jnp.copy, nnx.state(model)))
 
-    w0 = train(fp_cfg, create_model(fp_cfg.model, seed=0), 80)  # a constant learning rate: no total to reach
+    w0 = train(pre, create_model(pre.model, seed=0), 80)
+    fp_cfg, qat_cfg = config(*tune), config(*tune, "quant.experts=mxfp4_qat")
     fine = train(fp_cfg, copy(w0, fp_cfg), 30)
     qat = train(qat_cfg, copy(w0, qat_cfg), 30)
     l0, lf, lq = losses(w0), losses(fine), losses(qat)
