@@ -30,12 +30,14 @@ from k3jax.runtime import compile_cache  # noqa: E402
 compile_cache.enable()
 
 
-# The longest files, longest first (their summed test times in a cold run of 572 tests, -n 2, on an idle
-# 2-core machine: 172, 127, 121, 117, 99, 84, 65, 63, 57, 55, 52 s; the rest take 41 s or less). Only
-# the order in which xdist hands out files depends on it; a stale list costs wall time, never a result.
-LONGEST_FILES = ("test_pod_job.py", "test_lora.py", "test_model.py", "test_lm_eval.py", "test_gcs.py", "test_aot.py", "test_optim.py", "test_quant_qat.py", "test_serving.py",
-                 "test_parallel.py", "test_multiprocess.py", "test_decode.py", "test_pallas_tpu_aot.py",
-                 "test_kda.py", "test_train_mesh.py")
+# The longest files, longest first (their summed test times in a cold run of 843 tests on one worker,
+# session 20, less what that session cut: about 255, 200, 140, 125, 125, 115, 105, 90, 85, 75, 70, 70, 65,
+# 60, 60, 60, 55 s; the rest take 50 s or less). Only the order in which xdist hands out files depends on
+# it; a stale list costs wall time, never a result.
+LONGEST_FILES = ("test_model.py", "test_lora.py", "test_aot.py", "test_pod_job.py", "test_serving.py",
+                 "test_quant_qat.py", "test_optim.py", "test_lm_eval.py", "test_parallel.py",
+                 "test_cached_prefill_parallel.py", "test_gcs.py", "test_multihost_serving.py", "test_pallas_gpu.py",
+                 "test_decode.py", "test_long_context.py", "test_expert_parallel.py", "test_train_mesh.py")
 
 
 def pytest_configure(config):
