@@ -15,7 +15,7 @@ and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); ``train.lock`` ke
 Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
 ``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
 3 stopped by a fault while training, the previous checkpoint intact (a checkpoint save that failed, a bad
-data record under ``train.data.bad_records=stop``, ``train.max_nonfinite_steps`` skipped updates in a
+data record under ``train.data.bad_records=stop``, a reward function that raised or returned a non-number (RL), ``train.max_nonfinite_steps`` skipped updates in a
 row), 130 stopped by Ctrl-C after saving, 143 stopped by SIGTERM after saving (128 + 15, what a
 terminated process reports; a job controller that restarts failed pods reruns the command, which resumes).
 """
@@ -33,6 +33,7 @@ from k3jax.runtime import compile_cache, distributed
 from k3jax.training import checkpoint
 from k3jax.config import ConfigError, load_config
 from k3jax.data.sources import BadRecordError
+from k3jax.rl.rewards import RewardError
 from k3jax.training.run_lock import RunLockedError
 from k3jax.sharding import make_mesh
 from k3jax.training.trainer import DivergenceError, ScheduleChangeError, train
@@ -83,11 +84,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{f' (mesh {axes})' if axes else ''}, {jax.process_count()} process(es); run_dir={cfg.train.out_dir}",
               flush=True)
     try:
-        result = train(cfg, fresh=args.fresh, reschedule=args.reschedule, sample_tokens=args.sample_tokens)
+        if cfg.train.rl.enabled:  # reinforcement learning: the batches are the model's own rollouts (k3jax/rl)
+            from k3jax.rl.trainer import train_rl
+
+            result = train_rl(cfg, fresh=args.fresh, reschedule=args.reschedule)
+        else:
+            result = train(cfg, fresh=args.fresh, reschedule=args.reschedule, sample_tokens=args.sample_tokens)
     except (checkpoint.CheckpointError, RunLockedError, ScheduleChangeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError) as e:
+    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAULT
     return EXIT_SIGNAL[result["interrupted"]] if result["interrupted"] else 0

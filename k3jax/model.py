@@ -64,6 +64,7 @@ class LayerStats(NamedTuple):
 
     router: object  # Quantile Balancing statistics of an MoE layer (quantile_balancing.router_statistics)
     max_logits: jax.Array | None  # [H] float32, an MLA layer's largest pre-softmax logit per head (QK-clip)
+    experts: jax.Array | None = None  # [B, T, k] int32, an MoE layer's selected experts (record_routes)
 
 
 class ForwardStats(NamedTuple):
@@ -71,6 +72,22 @@ class ForwardStats(NamedTuple):
 
     router: dict  # {layer: Quantile Balancing statistics} of every MoE layer with a router bias
     max_logits: dict  # {layer: [H] float32} of every MLA layer, when asked for (``max_logits=True``)
+    # [B, T, M, k] int32: each token's selected experts in every MoE layer (M of them, in the order of
+    # ``moe_layers``), when asked for (``record_routes=True``): what routing replay feeds back
+    routes: jax.Array | None = None
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """The model's MoE layers in ascending order: the layers of the ``M`` axis of recorded and replayed
+    routes (``ForwardStats.routes``, ``forward(replay_routes=...)``)."""
+    return [i for i in range(cfg.num_layers) if cfg.ffn(i) == "moe"]
+
+
+def _route_slots(cfg: ModelConfig) -> np.ndarray:
+    """``[num_layers]`` int32: each layer's index on the routes' ``M`` axis (-1: not an MoE layer)."""
+    slots = np.full(cfg.num_layers, -1, np.int32)
+    slots[moe_layers(cfg)] = np.arange(len(moe_layers(cfg)), dtype=np.int32)
+    return slots
 
 
 # Logical axes of the residual stream [B, T, d] between sublayers (k3jax.sharding.constrain_activation): rows
@@ -111,14 +128,18 @@ class DecoderLayer(nnx.Module):
                          lora_key=lora_key)
         return out if ctx.max_logits else (*out, None)
 
-    def _ffn(self, h, ctx: "_Context", lora_key):
+    def _ffn(self, h, ctx: "_Context", layer_idx, lora_key):
+        """-> (y ``[B, T, d]``, Quantile Balancing statistics or None, selected experts ``[B, T, k]`` or None)."""
         h = self.ffn_norm(constrain_activation(h, RESIDUAL_AXES))
         if self.kind[1] == "dense":
             with jax.named_scope("dense_ffn"):
-                y, router = self.ffn(h, lora_key=lora_key), None
-        else:
-            y, router = self.ffn(h, token_mask=ctx.token_valid, lora_key=lora_key)
-        return constrain_activation(y, RESIDUAL_AXES), router
+                return constrain_activation(self.ffn(h, lora_key=lora_key), RESIDUAL_AXES), None, None
+        replay = None
+        if ctx.replay_routes is not None:  # this layer's slice of the [B, T, M, k] routes
+            slot = jnp.asarray(ctx.route_slots)[layer_idx]
+            replay = jax.lax.dynamic_index_in_dim(ctx.replay_routes, slot, axis=2, keepdims=False)
+        y, router, experts = self.ffn(h, token_mask=ctx.token_valid, lora_key=lora_key, replay=replay)
+        return constrain_activation(y, RESIDUAL_AXES), router, experts if ctx.record_routes else None
 
     def lora_modules(self) -> list[tuple[nnx.Module, str]]:
         """The modules whose projections may get adapters, with their kind (a key of ``LORA_SITES``)."""
@@ -139,8 +160,8 @@ class DecoderLayer(nnx.Module):
         h, carry = self.residual.mixer_input(carry, layer_idx, mixes[0])
         y, cache, max_logits = self._mix(h, ctx, cache, lora_key)
         h, carry = self.residual.ffn_input(carry, y, mixes[1])
-        y, router = self._ffn(h, ctx, lora_key)
-        return self.residual.layer_output(carry, y), LayerStats(router, max_logits), cache
+        y, router, experts = self._ffn(h, ctx, layer_idx, lora_key)
+        return self.residual.layer_output(carry, y), LayerStats(router, max_logits, experts), cache
 
 
 class LayerGroup(nnx.Module):
@@ -184,8 +205,9 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["positions", "segment_ids", "token_valid", "cache_index", "kv_valid", "lora_key"],
-                   meta_fields=["max_logits"])
+                   data_fields=["positions", "segment_ids", "token_valid", "cache_index", "kv_valid", "lora_key",
+                                "replay_routes", "route_slots"],
+                   meta_fields=["max_logits", "record_routes"])
 @dataclasses.dataclass(frozen=True)
 class _Context:
     """Per-call inputs every layer sees (everything but the residual stream and the cache)."""
@@ -197,6 +219,9 @@ class _Context:
     kv_valid: jax.Array | None  # [B, S] valid cache slots after this call
     max_logits: bool = False  # static: MLA layers also return their max logit per head (QK-clip)
     lora_key: jax.Array | None = None  # dropout key of the LoRA adapters' inputs (training); None: no dropout
+    replay_routes: jax.Array | None = None  # [B, T, M, k] int32 experts to use instead of the top-k (replay)
+    route_slots: np.ndarray | None = None  # [num_layers] int32: each layer's index on the routes' M axis
+    record_routes: bool = False  # static: MoE layers return their selected experts (LayerStats.experts)
 
 
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
@@ -341,13 +366,18 @@ class K3Model(nnx.Module):
     def forward(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None, cache: ModelCache | None = None,
                 token_valid: jax.Array | None = None, images: VisionInputs | jax.Array | None = None,
-                max_logits: bool = False,
-                lora_key: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, ForwardStats]:
+                max_logits: bool = False, lora_key: jax.Array | None = None, record_routes: bool = False,
+                replay_routes: jax.Array | None = None) -> tuple[jax.Array, ModelCache | None, ForwardStats]:
         """Like ``__call__``, plus the statistics the train step uses (``ForwardStats``, keyed by layer
         index): the Quantile Balancing statistics of every MoE layer (``quantile_balancing.apply``)
         and, with ``max_logits=True`` (QK-clip, training only), every MLA layer's largest
         pre-softmax logit per head over the batch. ``lora_key`` (a LoRA train step with
-        ``train.lora.dropout > 0``): the key the adapters' input dropout draws from."""
+        ``train.lora.dropout > 0``): the key the adapters' input dropout draws from.
+
+        Routing replay (MoE; reinforcement learning, ``k3jax.rl``): ``record_routes=True`` returns every token's
+        selected experts in every MoE layer (``ForwardStats.routes`` ``[B, T, M, k]``, M = ``moe_layers``);
+        ``replay_routes`` (that shape) makes each MoE layer use those experts instead of its top-k, the
+        combine weights still from this forward's router scores."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
@@ -361,13 +391,19 @@ class K3Model(nnx.Module):
             raise ValueError("max_logits is a training statistic (expanded attention); it is not measured "
                              "with a cache")
         in_vocab = check_token_ids(tokens, cfg.vocab_size)
+        slots = _route_slots(cfg)
+        if replay_routes is not None:
+            chex.assert_shape(replay_routes, (b, t, len(moe_layers(cfg)), cfg.moe.top_k))
+            replay_routes = replay_routes.astype(jnp.int32)
+        routing = dict(replay_routes=replay_routes, route_slots=slots if replay_routes is not None else None,
+                       record_routes=record_routes)
         if cache is None:
             if positions is None:
                 positions = (segment_positions(segment_ids) if segment_ids is not None
                              else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape))
             if token_valid is None and segment_ids is not None:
                 token_valid = segment_ids != 0
-            ctx = _Context(positions, segment_ids, token_valid, None, None, max_logits, lora_key)
+            ctx = _Context(positions, segment_ids, token_valid, None, None, max_logits, lora_key, **routing)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids (document packing) is for training; with a cache mark left "
@@ -379,7 +415,7 @@ class K3Model(nnx.Module):
             if positions is None:
                 positions = jnp.maximum(cache.positions[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
             kv_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.length, axis=1)
-            ctx = _Context(positions, None, valid, cache.length, kv_valid, lora_key=lora_key)
+            ctx = _Context(positions, None, valid, cache.length, kv_valid, lora_key=lora_key, **routing)
         plan = self.plan
         layer_caches = cache if cache is not None else ModelCache(
             (None,) * len(plan.prefix), None, (None,) * len(plan.suffix), None, None, None)
@@ -415,9 +451,13 @@ class K3Model(nnx.Module):
                                    tuple(new_suffix), cache.length + t,
                                    cache.positions + jnp.sum(ctx.token_valid, axis=1, dtype=jnp.int32), ctx.kv_valid)
         layers = sorted(stats)
+        routes = None
+        if record_routes:
+            routes = (jnp.stack([stats[i].experts for i in moe_layers(cfg)], axis=2) if moe_layers(cfg)
+                      else jnp.zeros((b, t, 0, cfg.moe.top_k), jnp.int32))
         return logits, new_cache, ForwardStats(
             router={i: stats[i].router for i in layers if stats[i].router is not None},
-            max_logits={i: stats[i].max_logits for i in layers if stats[i].max_logits is not None})
+            max_logits={i: stats[i].max_logits for i in layers if stats[i].max_logits is not None}, routes=routes)
 
     def add_lora(self, cfg: LoRAConfig, rngs: nnx.Rngs) -> None:
         """Attach LoRA adapters (``k3jax.layers.lora``) to the projections ``cfg.targets`` names, in place;
@@ -513,4 +553,4 @@ def unroll_layers(model: K3Model) -> K3Model:
 
 
 __all__ = ["ForwardStats", "K3Model", "LayerPlan", "LayerStats", "abstract_model", "check_token_ids", "create_model",
-           "plan_layers", "segment_positions", "unroll_layers"]
+           "moe_layers", "plan_layers", "segment_positions", "unroll_layers"]

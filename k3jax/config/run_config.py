@@ -8,6 +8,7 @@ from typing import Literal
 
 from k3jax.config.fields import check, check_choices, runtime
 from k3jax.config.model_config import ModelConfig
+from k3jax.config.rl_config import RLConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,8 @@ class TrainConfig:
     # LoRA fine-tuning (rank > 0): only the adapters train (AdamW); the model's weights, from init_from
     # (a k3jax run / checkpoint or a Hugging Face directory), stay frozen
     lora: LoRAConfig = LoRAConfig()
+    # reinforcement learning (rl.loss != off): the batches are rollouts of the model itself (k3jax/rl)
+    rl: RLConfig = RLConfig()
 
     def validate(self, prefix: str = "train") -> None:
         check_choices(self, prefix)
@@ -184,6 +187,16 @@ class TrainConfig:
         self.optim.validate(f"{prefix}.optim")
         self.data.validate(f"{prefix}.data")
         self.lora.validate(f"{prefix}.lora")
+        self.rl.validate(f"{prefix}.rl")
+        if self.rl.enabled:
+            check(self.batch_size == self.rl.rows, f"{prefix}.batch_size",
+                  f"an RL step trains on its rollouts: set it to rl.prompts_per_step x rl.group_size = {self.rl.rows}")
+            check(self.seq_len > self.rl.max_new_tokens, f"{prefix}.seq_len",
+                  f"must exceed rl.max_new_tokens={self.rl.max_new_tokens} (a row holds the prompt and completion)")
+            check(self.rl.beta == 0 or self.lora.enabled, f"{prefix}.rl.beta",
+                  "the KL reference is the frozen base of a LoRA run (train.lora.rank > 0): no second model is kept")
+            check(self.optim.qk_clip_tau == 0, f"{prefix}.optim.qk_clip_tau",
+                  "QK-clip is not applied in RL steps: set it to 0")
         check(not (self.lora.enabled and self.optim.qk_clip_tau > 0), f"{prefix}.optim.qk_clip_tau",
               "QK-clip rescales q_b / kv_b, which a LoRA run freezes: set it to 0 with train.lora.rank > 0")
 

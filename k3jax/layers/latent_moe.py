@@ -57,11 +57,15 @@ class LatentMoE(nnx.Module):
         self.w_down = expert_param(rngs, (e, f, width), ("expert", "expert_mlp", "expert_in"), std, pd, cfg.quant)
         self.shared = GatedFFN(cfg, f * m.num_shared_experts, rngs=rngs) if m.num_shared_experts else None
 
-    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, lora_key: jax.Array | None = None):
-        """x ``[B, T, d]`` -> (``[B, T, d]``, Quantile Balancing statistics or None).
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, lora_key: jax.Array | None = None,
+                 replay: jax.Array | None = None):
+        """x ``[B, T, d]`` -> (``[B, T, d]``, Quantile Balancing statistics or None, the selected experts
+        ``[B, T, k]`` int32).
 
         token_mask ``[B, T]`` (True = real token) keeps padding out of the balancing statistics.
         lora_key: the dropout key of the shared experts' adapters (training).
+        replay ``[B, T, k]`` int: routing replay, the experts each token uses instead of its top-k
+        (``ops.moe.sigmoid_topk_route``).
         """
         b, t, d = x.shape
         m, dt = self.cfg, self.dtype
@@ -72,10 +76,18 @@ class LatentMoE(nnx.Module):
             bias = self.router_bias[...] if self.router_bias is not None else None
             route_fn = functools.partial(sigmoid_topk_route, top_k=m.top_k, renormalize=m.renormalize,
                                          scaling_factor=m.routed_scaling_factor)
+            # per token: the logits, and the replayed experts when there are
+            own = logits if replay is None else (logits, replay.reshape(b * t, m.top_k))
+            if replay is None:
+                route_one = route_fn
+            else:
+                def route_one(own, bias):
+                    lg, ids = own
+                    return route_fn(lg, bias, replay=ids)
             if bias is None:
-                route = seq_parallel.on_own_tokens(lambda lg: route_fn(lg, None), logits, batch=b, seq_len=t)
+                route = seq_parallel.on_own_tokens(lambda own: route_one(own, None), own, batch=b, seq_len=t)
             else:  # on each device's tokens: GSPMD gathers top_k's tokens otherwise
-                route = seq_parallel.on_own_tokens(route_fn, logits, bias, batch=b, seq_len=t)
+                route = seq_parallel.on_own_tokens(route_one, own, bias, batch=b, seq_len=t)
         z = xf.astype(dt)
         if m.latent_dim:
             with jax.named_scope("latent_proj"):
@@ -99,7 +111,7 @@ class LatentMoE(nnx.Module):
                 mask = None if token_mask is None else token_mask.reshape(-1)
                 stats = qb.router_statistics(route.scores, route.threshold, bias, mask, method=m.qb_method,
                                              num_bins=m.qb_bins)
-        return y, stats
+        return y, stats, route.experts.reshape(b, t, m.top_k)
 
     def _routed_experts(self, z: jax.Array, route) -> jax.Array:
         """Latent tokens z ``[N, L]`` -> the weighted routed-expert sum ``u [N, L]`` float32."""

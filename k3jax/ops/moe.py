@@ -32,18 +32,22 @@ class Routing(NamedTuple):
 
 
 def sigmoid_topk_route(logits: jax.Array, bias: jax.Array | None, top_k: int, *, renormalize: bool = True,
-                       scaling_factor: float = 1.0) -> Routing:
+                       scaling_factor: float = 1.0, replay: jax.Array | None = None) -> Routing:
     """Sigmoid router with a selection-only bias (K3's Stable LatentMoE router).
 
     logits ``[N, E]`` (computed in float32 from the full-width x). Selection uses ``s + bias``; the
     combine weights use the raw scores ``s``, renormalised over the selected experts and scaled.
+
+    ``replay`` ``[N, k]`` int (routing replay, R3: arXiv 2510.11370): the experts to use instead of the
+    top-k, e.g. the ones a rollout's decode steps chose. The combine weights are still this router's scores
+    at those experts, so the router keeps its gradient; the threshold (Quantile Balancing) is unchanged.
     """
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     biased = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
     num_experts = scores.shape[-1]
     kk = min(top_k + 1, num_experts)
     top_vals, top_idx = jax.lax.top_k(biased, kk)
-    experts = top_idx[:, :top_k]
+    experts = top_idx[:, :top_k] if replay is None else replay.astype(top_idx.dtype)
     threshold = top_vals[:, top_k] if kk > top_k else jnp.full(scores.shape[:1], -jnp.inf, jnp.float32)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:

@@ -253,13 +253,13 @@ def _mla_body(q, kv_latent, segment_ids, kv_b, *, attend, sp, axes):
 # ------------------------------------------------------------------------------------ per-token ops
 
 
-def on_own_tokens(fn: Callable[..., object], tokens: jax.Array, *shared: jax.Array, batch: int, seq_len: int):
+def on_own_tokens(fn: Callable[..., object], tokens, *shared: jax.Array, batch: int, seq_len: int):
     """``fn(tokens, *shared)`` run on each device's own tokens, for a per-token op that GSPMD would
     otherwise gather along the tokens (XLA:CPU replicates ``lax.top_k``'s sort: the router's ``[N, E]``
     scores of a whole 1M-token row on every device).
 
-    tokens ``[N, ...]``: the flattened ``[batch, seq_len]`` tokens (split as the residual stream is:
-    batch axes, then time axes); ``shared``: arrays every token uses whole (replicated); ``fn``'s
+    tokens ``[N, ...]`` (or a pytree of such arrays): the flattened ``[batch, seq_len]`` tokens (split as the
+    residual stream is: batch axes, then time axes); ``shared``: arrays every token uses whole (replicated); ``fn``'s
     outputs: a pytree of ``[N, ...]`` arrays. Without a mesh (or with unsplit tokens) ``fn`` runs as is.
     """
     mesh = current_mesh()

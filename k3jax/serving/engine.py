@@ -94,6 +94,22 @@ from pallas_kernels.platform import target_platform
 log = logging.getLogger(__name__)
 
 
+def _routes(stats, shape) -> jax.Array:
+    """The forward's recorded routes ``[*shape, M, k]`` (``ForwardStats.routes``), or an empty ``[*shape, 0, 0]``
+    when it recorded none: every program returns an array there, so its outputs have one structure."""
+    return stats.routes if stats.routes is not None else jnp.zeros((*shape, 0, 0), jnp.int32)
+
+
+def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
+    """The log-probability ``[R]`` of each row's sampled token under the distribution it was sampled from:
+    ``log_softmax(logits / temperature)`` (logits ``[R, V]``, tokens ``[R]``, temperature ``[R]``; greedy rows,
+    temperature 0, at the raw logits). Top-p is not applied: it truncates the sampler, not the policy the
+    trainer recomputes."""
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
 class QueueFull(RuntimeError):
     """Every cache row is busy and the waiting queue is full."""
 
@@ -135,6 +151,13 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        # An engine that records rollouts (``record_routes``; reinforcement learning, k3jax.rl): per prompt
+        # token (set before on_token is first called) and per generated token, its selected experts in every
+        # MoE layer ``[M, k]`` int32, and each generated token's log-probability under the sampling
+        # distribution (the logits at the request's temperature; the raw logits when greedy).
+        self.prompt_routes: np.ndarray | None = None  # [len(prompt), M, k]
+        self.routes: list[np.ndarray] = []
+        self.sampled_logprobs: list[float] = []
 
 
 @dataclasses.dataclass
@@ -158,6 +181,7 @@ class _Prefill:
     scores: bool = False  # some request wants its prompt's log-probabilities
     done: int = 0  # pieces run so far
     scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
+    routes: list = dataclasses.field(default_factory=list)  # per piece (record_routes): [R, W, M, k]
 
 
 class Engine:
@@ -168,12 +192,15 @@ class Engine:
     budget (0: no prefix cache); ``prefix_cache_block``: its block, a multiple of ``prefill_chunk``
     (default: one chunk). ``prefill_chunk`` is at most ``max_len``. ``scheduler``: where each iteration's
     input comes from (default ``schedule.make_scheduler()``: local in one process, process 0's broadcast
-    in several)."""
+    in several). ``record_routes``: every request records its tokens' experts and sampled log-probabilities
+    (``Sequence.prompt_routes``, ``routes``, ``sampled_logprobs``: the rollouts of ``k3jax.rl``); such an
+    engine skips the prefix cache's lookups (a cached block's routes are not kept)."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
                  prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None,
                  unroll_layers: bool | None = None, prefix_cache_tokens: int = 0,
-                 prefix_cache_block: int | None = None, scheduler: LocalScheduler | None = None):
+                 prefix_cache_block: int | None = None, scheduler: LocalScheduler | None = None,
+                 record_routes: bool = False):
         cfg = model.cfg
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
@@ -196,6 +223,7 @@ class Engine:
         self.prefix_cache = PrefixCache(block, prefix_cache_tokens) if prefix_cache_tokens else None
         self.prefill_batch = min(prefill_batch, max_batch)
         self.vocab_size = cfg.vocab_size
+        self.record_routes = record_routes
         self.metrics = metrics or Metrics()
         self.metrics.max_slots = max_batch
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -232,13 +260,17 @@ class Engine:
         def empty_prefill(rows):
             return init_cache(wide, plan, rows, c + p)
 
+        record = self.record_routes
+
         def prefill(state, cache, last, tokens, valid, targets, scores):
             """A piece (tokens / valid / targets ``[R, W]``): each row runs all W tokens or none; an idle
-            row keeps its KDA states and last logits ``[R, V]``."""
-            logits, new = nnx.merge(graphdef, state)(tokens, cache=cache, token_valid=valid)
+            row keeps its KDA states and last logits ``[R, V]``. Also returns the tokens' routes ``[R, W, M, k]``
+            (M = 0 unless ``record_routes``)."""
+            logits, new, stats = nnx.merge(graphdef, state).forward(tokens, cache=cache, token_valid=valid,
+                                                                    record_routes=record)
             ran = jnp.any(valid, axis=1)
             return (jnp.where(ran[:, None], logits[:, -1], last), keep_rows(new, cache, ~ran),
-                    token_logprobs(logits, targets, MAX_LOGPROBS, scores))
+                    token_logprobs(logits, targets, MAX_LOGPROBS, scores), _routes(stats, tokens.shape))
 
         def insert(pool, logits, keys, row, src, src_row, last, seed):
             packed = pack_row(src, src_row)  # skipped pieces left invalid slots between the row's tokens
@@ -256,9 +288,11 @@ class Engine:
             tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
             tokens = jnp.where(active[:rows], tokens, 0)
             scored = token_logprobs(logits[:rows], tokens, MAX_LOGPROBS, jnp.any(wants[:rows] & active[:rows]))
-            out, sub = nnx.merge(graphdef, state)(tokens[:, None], cache=first_rows(pool, rows),
-                                                  token_valid=active[:rows, None])
-            return (tokens, scored, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
+            out, sub, stats = nnx.merge(graphdef, state).forward(tokens[:, None], cache=first_rows(pool, rows),
+                                                                 token_valid=active[:rows, None], record_routes=record)
+            rollout = (sampled_logprobs(logits[:rows], tokens, temperature[:rows]) if record
+                       else jnp.zeros((rows,), jnp.float32), _routes(stats, (rows, 1))[:, 0])
+            return (tokens, scored, rollout, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
                     put_first_rows(pool, sub))
 
         sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
@@ -279,7 +313,7 @@ class Engine:
         self._zero_last = {r: jit(functools.partial(jnp.zeros, (r, cfg.vocab_size), jnp.float32), out_shardings=rep)
                            for r in sizes}
         # one program per row count and width (a piece's shape)
-        self._prefill_fn = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep), donate_argnums=(1, 2))
+        self._prefill_fn = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep, rep), donate_argnums=(1, 2))
                             for r in sizes for w in self._widths}
         if self.prefix_cache is not None:  # snapshots (replicated: one row) out of / into a prefill cache
             size = self.prefix_cache.block
@@ -289,7 +323,7 @@ class Engine:
         self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         # decode programs by row count: 1, 2, 4, ... and the whole pool
-        self.decode_programs = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, pool_sh),
+        self.decode_programs = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, rep, pool_sh),
                                   donate_argnums=(1, 2, 3))
                            for r in sorted({min(2**i, b) for i in range(b.bit_length() + 1)})}
         zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
@@ -321,7 +355,7 @@ class Engine:
             for rows in self._empty_prefill:  # the batch-1 and the batched prefill programs
                 cache, last = self._empty_prefill[rows](), self._zero_last[rows]()
                 for w in self._widths:  # p + p - 1 <= max_len + p slots
-                    last, cache, _ = self._prefill_fn[rows, w](
+                    last, cache, _, _ = self._prefill_fn[rows, w](
                         self._state, cache, last, np.zeros((rows, w), np.int32), np.ones((rows, w), bool),
                         np.zeros((rows, w), np.int32), np.bool_(True))
                 if self.prefix_cache is not None:
@@ -335,6 +369,22 @@ class Engine:
             jax.block_until_ready(self._pool)
             self._reset()
         self.metrics = metrics
+
+    def set_weights(self, state) -> None:
+        """Decode from now on with ``state`` (``nnx.state`` of a model of the engine's structure: the trainer's
+        current weights in reinforcement learning). The arrays are used as they are, no copy: on the mesh the
+        engine was built for, in their own shardings. Only between requests: the engine must be idle."""
+        if self.active_count() or self.queue_length() or self._inflight:
+            raise RuntimeError("set_weights while requests are in flight")
+        old, new = jax.tree.structure(self._state), jax.tree.structure(state)
+        if old != new:
+            raise ValueError("set_weights: the state's structure differs from the engine's model (an engine for "
+                             "new weights must be built with unroll_layers=False and the same adapters)")
+        for a, b in zip(jax.tree.leaves(self._state), jax.tree.leaves(state)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"set_weights: a weight of shape {b.shape} {b.dtype} replaces one of {a.shape} "
+                                 f"{a.dtype}")
+        self._state = state
 
     # --- the client side (any thread) ----------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int, scoring: bool = False) -> None:
@@ -366,6 +416,25 @@ class Engine:
             seq.seed = next(self._seeds)
         self._scheduler.submit(seq)
         self.metrics.gauges(self.active_count(), self.queue_length())
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Serve ``seqs`` to the end on the calling thread, for an engine that is not started (no engine
+        thread): all are admitted at once, so the prefills and decode steps they run, and hence every token,
+        depend on the requests alone (reinforcement learning's rollouts, repeated exactly on resume). A
+        request that cannot fit raises ValueError before any runs; a failed device call raises."""
+        if self._thread is not None:
+            raise RuntimeError("Engine.run is for an engine without its thread (do not start() it)")
+        for seq in seqs:
+            self.check(len(seq.prompt), seq.params.max_tokens, seq.params.prompt_logprobs)
+        with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            for seq in seqs:
+                seq.id = next(self._ids) % 2**31
+                if seq.seed is None:
+                    seq.seed = next(self._seeds)
+                self._queue.append(seq)
+                self._live[seq.id] = seq
+            while any(seq.finish_reason is None for seq in seqs):
+                self._iteration()
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Stop a request (queued, prefilling or decoding); its row is freed before the next step.
@@ -490,7 +559,7 @@ class Engine:
     def _cached_prefix(self, seq: Sequence) -> list:
         """The prefix cache's nodes for ``seq``'s longest cached prefix (none for a request that scores its
         prompt: every prompt position must run); at least the prompt's last token is left to run."""
-        if self.prefix_cache is None or seq.params.prompt_logprobs:
+        if self.prefix_cache is None or seq.params.prompt_logprobs or self.record_routes:
             return []
         return self.prefix_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
@@ -561,8 +630,10 @@ class Engine:
         job = self._prefill
         piece = job.pieces[job.done]
         rows, width = piece.tokens.shape
-        job.last, job.cache, scored = self._prefill_fn[rows, width](
+        job.last, job.cache, scored, routes = self._prefill_fn[rows, width](
             self._state, job.cache, job.last, piece.tokens, piece.valid, piece.targets, np.bool_(job.scores))
+        if self.record_routes:
+            job.routes.append(routes)
         job.length += width
         self.metrics.prefilled(width * sum(a >= 0 for a in piece.starts))
         if job.scores:
@@ -577,6 +648,8 @@ class Engine:
         if job.done == len(job.pieces):
             if job.scores:
                 self._set_prompt_logprobs(job)
+            if self.record_routes:
+                self._set_prompt_routes(job)
             for src_row, seq in enumerate(job.seqs):
                 if seq is None:
                     continue
@@ -603,6 +676,16 @@ class Engine:
                     if a + q + 1 < n:
                         entries[a + q + 1] = _logprobs_of(own[row, q], top[row, q], ids[row, q], k)
             seq.prompt_logprobs = entries
+
+    def _set_prompt_routes(self, job: _Prefill):
+        """Each request's ``prompt_routes`` ``[n, M, k]`` from the pieces' routes (no cached prefix when
+        recording: every prompt position ran in some piece)."""
+        routes = [np.asarray(r) for r in job.routes]  # per piece [R, W, M, k]
+        for row, seq in enumerate(job.seqs):
+            if seq is None:
+                continue
+            parts = [(piece.starts[row], r[row]) for piece, r in zip(job.pieces, routes) if piece.starts[row] >= 0]
+            seq.prompt_routes = np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])], axis=0)
 
     def _insert(self, job: _Prefill, src_row: int):
         seq = job.seqs[src_row]
@@ -636,25 +719,28 @@ class Engine:
         if self._length >= self.max_len:  # out of slots: move every row back to the start
             self._realign(int(self._filled[active].max()) - self._length)
         last = int(np.flatnonzero(active)[-1])
-        tokens, scored = self._decode(min(r for r in self.decode_programs if r > last), active)
+        tokens, scored, rollout = self._decode(min(r for r in self.decode_programs if r > last), active)
         self._filled[active] += 1
         self._queued[active] += 1
-        self._inflight.append((tokens, scored, rows))
+        self._inflight.append((tokens, scored, rollout, rows))
         return True
 
     def _decode(self, rows: int, active: np.ndarray):
-        """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens and
-        their log-probabilities (token_logprobs' arrays)."""
-        tokens, scored, self._logits, self._keys, self._pool = self.decode_programs[rows](
+        """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens, their
+        log-probabilities (token_logprobs' arrays) and what a recording engine keeps (sampled log-probabilities
+        ``[rows]``, routes ``[rows, M, k]``)."""
+        tokens, scored, rollout, self._logits, self._keys, self._pool = self.decode_programs[rows](
             self._state, self._pool, self._logits, self._keys, self._temperature, self._top_p, active, self._wants)
         self._length += 1
-        return tokens, scored
+        return tokens, scored, rollout
 
     def _read_step(self):
         """Wait for the oldest queued step's tokens and hand each to its request (one that ended
         since the step was queued gets nothing)."""
-        tokens, scored, rows = self._inflight.popleft()
+        tokens, scored, rollout, rows = self._inflight.popleft()
         tokens = np.asarray(tokens)
+        if self.record_routes:
+            sampled, routes = (np.asarray(a) for a in rollout)
         if any(seq is not None and seq.params.logprobs is not None for seq in rows):
             own, top, ids = (np.asarray(a) for a in scored)
         now = time.monotonic()
@@ -664,6 +750,9 @@ class Engine:
                 continue
             token = int(tokens[r])
             seq.generated.append(token)
+            if self.record_routes:
+                seq.sampled_logprobs.append(float(sampled[r]))
+                seq.routes.append(routes[r])
             generated += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now

@@ -165,20 +165,42 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     PEFT adapter could not carry a changed one). Its input dropout draws from ``train.seed``, the
     optimizer step and the micro-batch, so a resumed run repeats it.
     """
-    accum, z_loss, grad_dtype = cfg.train.grad_accum, cfg.train.z_loss, jnp.dtype(cfg.train.grad_dtype)
-    top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
-    tau = cfg.train.optim.qk_clip_tau  # > 0: QK-clip of the MLA heads after every update
-    lora = cfg.train.lora
-    wrt_type = trainable(cfg)
-    update_router_bias = balancing == "quantile" and not lora.enabled
+    z_loss, tau = cfg.train.z_loss, cfg.train.optim.qk_clip_tau  # tau > 0: QK-clip of the MLA heads
 
-    def micro_loss(params, rest, model_def, mb, lora_key):
-        model = nnx.merge(model_def, params, rest)
+    def next_token_objective(model, mb, lora_key):
         logits, _, stats = model.forward(mb["tokens"], segment_ids=mb["segment_ids"], positions=mb["positions"],
                                          images=vision_batch(mb), max_logits=tau > 0, lora_key=lora_key)
         with jax.named_scope("lm_head_loss"):
             total, count, nll = next_token_loss(logits, mb["targets"], mb["loss_mask"], z_loss)
-        return total, (count, nll, stats)
+        return total, count, nll, stats, {}
+
+    return make_step(graphdef, cfg, next_token_objective, state_shardings=state_shardings)
+
+
+def make_step(graphdef, cfg: Config, objective, *, per_count: bool = True, sum_names: tuple[str, ...] = (),
+              state_shardings=None):
+    """The train step of ``objective`` (:func:`make_train_step`'s next-token loss, or an RL policy loss,
+    ``k3jax.rl.step``): gradient accumulation over ``train.grad_accum`` micro-batches, the optimizer update
+    with the NaN guard, Quantile Balancing and QK-clip.
+
+    ``objective(model, micro_batch, lora_key) -> (total, count, reported, ForwardStats, sums)``: the
+    micro-batch's loss ``total`` (differentiated), its counted tokens, the summed value reported as
+    ``loss``, the forward's statistics, and a dict of float32 scalars named ``sum_names``, summed over the
+    micro-batches (returned in the metrics as they are). ``per_count``: gradients and ``loss`` are divided by the summed count (a
+    mean per token); False: the totals are the loss already (an objective whose weights are global).
+    """
+    accum, grad_dtype = cfg.train.grad_accum, jnp.dtype(cfg.train.grad_dtype)
+    top_k, balancing = cfg.model.moe.top_k, cfg.model.moe.balancing
+    tau = cfg.train.optim.qk_clip_tau  # > 0: QK-clip of the MLA heads after every update
+    lora = cfg.train.lora
+    wrt_type = trainable(cfg)
+    # The router bias is frozen in a LoRA run (it belongs to the base) and in RL (docs/design.md,
+    # "Reinforcement learning": the rollout and the update route with the same bias)
+    update_router_bias = balancing == "quantile" and not lora.enabled and not cfg.train.rl.enabled
+
+    def micro_loss(params, rest, model_def, mb, lora_key):
+        total, count, reported, stats, sums = objective(nnx.merge(model_def, params, rest), mb, lora_key)
+        return total, (count, reported, stats, sums)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
@@ -198,17 +220,20 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
 
         def body(carry, xs):
             mb, i = xs
-            g_acc, count_acc, nll_acc = carry
+            g_acc, count_acc, reported_acc, sums_acc = carry
             key = None if step_key is None else jax.random.fold_in(step_key, i)
-            g, (count, nll, stats) = grad_fn(wrt, rest, model_def, mb, key)
-            return (jax.tree.map(jnp.add, g_acc, g), count_acc + count, nll_acc + nll), stats
+            g, (count, reported, stats, sums) = grad_fn(wrt, rest, model_def, mb, key)
+            return (jax.tree.map(jnp.add, g_acc, g), count_acc + count, reported_acc + reported,
+                    jax.tree.map(jnp.add, sums_acc, sums)), stats
 
         zeros = jax.tree.map(jnp.zeros_like, wrt)
-        (grads, count, nll), stats = jax.lax.scan(body, (zeros, 0.0, 0.0),
-                                                  (_micro_batches(batch, accum), jnp.arange(accum)))
+        mbs = _micro_batches(batch, accum)
+        sums0 = {name: jnp.zeros((), jnp.float32) for name in sum_names}
+        (grads, count, reported, sums), stats = jax.lax.scan(body, (zeros, 0.0, 0.0, sums0), (mbs, jnp.arange(accum)))
         stats = _pool_micro_batches(stats)
-        grads = jax.tree.map(lambda g: (g / jnp.maximum(count, 1.0)).astype(g.dtype), grads)
-        loss = nll / jnp.maximum(count, 1.0)
+        norm = jnp.maximum(count, 1.0) if per_count else 1.0
+        grads = jax.tree.map(lambda g: (g / norm).astype(g.dtype), grads)
+        loss = reported / norm
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -231,7 +256,7 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
 
         new_state = jax.lax.cond(finite, apply, skip, nnx.state(ts))
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite,
-                   "expert_imbalance": expert_imbalance(stats.router)}
+                   "expert_imbalance": expert_imbalance(stats.router), **sums}
         return new_state, metrics
 
     return step

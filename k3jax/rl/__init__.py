@@ -1,0 +1,1 @@
+"""Reinforcement learning with verifiable rewards: reward functions and RL prompt data."""

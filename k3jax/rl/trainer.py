@@ -1,0 +1,295 @@
+"""The RL run: ``python train.py --config tiny_rl`` (any config with ``train.rl.loss`` set).
+
+Each step (docs/design.md, "Reinforcement learning"):
+
+1. ``prompts_per_step`` prompt records from the prompt iterator (its position is checkpointed);
+2. ``group_size`` completions each, sampled by the serving engine from the trainer's current weights
+   (``Engine.set_weights``: the same arrays, no copy) with the sampled log-probabilities and, for an MoE
+   model, every token's experts (``k3jax.rl.rollout``);
+3. rewards (``k3jax.rl.rewards``), DAPO's overlong penalty, group-relative advantages, dynamic sampling
+   (groups whose rewards are all equal carry no signal: their rows get weight 0);
+4. the scoring forward on the same weights: the rollout / trainer mismatch (``k3jax.rl.mismatch``), the old
+   policy of ``updates_per_rollout > 1``, the reference of ``beta > 0``;
+5. ``updates_per_rollout`` optimizer steps on the policy loss (``k3jax.rl.step``), the experts replayed.
+
+Checkpoints, the run lock, Ctrl-C / SIGTERM and resume work as for pre-training
+(``k3jax.training.trainer``); the sampling seeds are a function of ``train.seed``, the step and the row, so
+a resumed run logs the uninterrupted run's rewards and losses. Steps count optimizer updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+
+import jax
+import numpy as np
+import yaml
+from flax import nnx
+from tqdm import tqdm
+
+from k3jax.config import Config, to_dict
+from k3jax.data.chat import reply_stop_ids
+from k3jax.model import moe_layers
+from k3jax.optim import learning_rate_schedule
+from k3jax.rl import objectives
+from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
+from k3jax.rl.prompts import PromptIterator, open_prompts, prompt_ids, prompt_text
+from k3jax.rl.rewards import load_reward, score_rewards
+from k3jax.rl.rollout import rollout_seed, sample, training_rows
+from k3jax.rl.step import TOKEN_SUMS, aggregation, make_rl_step, make_score_fn, replays
+from k3jax.runtime import distributed, storage
+from k3jax.serving.engine import Engine
+from k3jax.sharding import make_mesh, shard_batch, use_mesh
+from k3jax.tokenizer import load_tokenizer
+from k3jax.training import checkpoint
+from k3jax.training.run_lock import lock_run_dir
+from k3jax.training.run_log import RunLog, plot_losses
+from k3jax.training.step import init_train_state
+from k3jax.training.trainer import (_abstract_on, _placed, _Saver, _StopRequest, check_schedule, clear_run_dir,
+                                    init_weights_from)
+
+
+class PromptState:
+    """The RL run's data position for the checkpoint: the prompt iterator's state, in the form grain's
+    checkpoint handler saves for an iterator that is not a grain dataset (JSON bytes)."""
+
+    def __init__(self, iterator: PromptIterator):
+        self.iterator = iterator
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.iterator.get_state()).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.iterator.set_state(json.loads(state.decode()))
+
+    def start_prefetch(self) -> None:  # grain's handler calls it after a restore; nothing is prefetched
+        return None
+
+
+class Policy:
+    """The reward side of a run: tokenizer, reward functions and the reply's stop ids."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        rl = cfg.train.rl
+        self.tokenizer = tokenizer
+        self.stop_ids = reply_stop_ids(tokenizer)
+        self.rewards = {name: load_reward(name, answer_pattern=rl.answer_pattern, format_pattern=rl.format_pattern,
+                                          answer_field=rl.answer_field) for name in rl.rewards}
+        self.weights = dict(zip(rl.rewards, rl.reward_weights)) if rl.reward_weights else None
+
+    def reply(self, tokens: list[int]) -> str:
+        """A completion's text: its tokens up to the first stop token."""
+        end = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+        return self.tokenizer.decode(tokens[:end])
+
+    def score(self, records, completions):
+        """-> (total reward ``[N]``, {reward name: ``[N]``}) of completion i of ``records[i]``."""
+        return score_rewards(self.rewards, self.weights, [prompt_text(self.tokenizer, r) for r in records],
+                             [self.reply(c.tokens) for c in completions], [r.fields for r in records],
+                             [r.where for r in records])
+
+
+def evaluate(engine: Engine, policy: Policy, prompts, cfg: Config) -> dict[str, float]:
+    """Held-out accuracy: one greedy completion of each of the first ``rl.eval_prompts`` held-out prompts;
+    the mean of each reward function (``eval/<name>``) and of their weighted total (``eval/reward``)."""
+    rl = cfg.train.rl
+    records = [prompts[i] for i in range(min(rl.eval_prompts, len(prompts)))]
+    completions = sample(engine, [prompt_ids(policy.tokenizer, r) for r in records], 1,
+                         max_new_tokens=rl.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=policy.stop_ids,
+                         seeds=[0] * len(records))
+    total, per_fn = policy.score(records, completions)
+    return {"eval/reward": float(np.mean(total)), **{f"eval/{k}": float(np.mean(v)) for k, v in per_fn.items()}}
+
+
+def rollout_batch(cfg: Config, policy: Policy, records, completions, rewards: np.ndarray) -> tuple[dict, dict]:
+    """The training batch of a rollout (``k3jax.rl.step``'s fields but the scoring forward's) and its
+    metrics: rewards shaped by the overlong penalty, group advantages, dynamic sampling's kept groups."""
+    rl, m = cfg.train.rl, cfg.model
+    preset = objectives.LOSSES[rl.loss]
+    lengths = np.array([len(c.tokens) for c in completions])
+    shaped = rewards.astype(np.float32)
+    if rl.overlong_buffer:
+        shaped = shaped + np.asarray(objectives.overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer,
+                                                                 rl.overlong_penalty))
+    advantages = np.asarray(objectives.group_advantages(shaped, rl.group_size, scale=preset.scale_advantages))
+    batch = training_rows(completions, cfg.train.seq_len, m.moe.top_k, len(moe_layers(m)))
+    dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else rl.loss == "dapo"
+    kept = np.ones(rl.prompts_per_step, bool)
+    if dynamic:
+        kept = np.asarray(objectives.nonzero_variance_groups(shaped, rl.group_size))
+        batch["mask"] = batch["mask"] * np.repeat(kept, rl.group_size)[:, None]
+    batch["weights"] = np.asarray(objectives.token_weights(batch["mask"], aggregation(cfg), rl.max_new_tokens),
+                                  np.float32)
+    batch["advantages"] = advantages.astype(np.float32)
+    zeros = np.zeros_like(batch["rollout_logp"])
+    batch["old_logp"], batch["ref_logp"] = zeros, zeros
+    metrics = {"reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+               "response_length": float(np.mean(lengths)),
+               "truncation_rate": float(np.mean([c.truncated for c in completions])),
+               "kept_groups": float(np.mean(kept))}
+    return batch, metrics
+
+
+def train_rl(cfg: Config, *, fresh: bool = False, reschedule: bool = False) -> dict:
+    """Train (or resume) the RL run ``cfg`` in its run directory; returns the last step's metrics record,
+    the held-out accuracy before (``eval_before``) and after (``eval_after``) and ``interrupted`` (the
+    signal's name when stopped by one after saving, else None). One process (the engine's rollouts are
+    scheduled on the calling thread of a single host)."""
+    cfg.validate()
+    if jax.process_count() > 1:
+        raise NotImplementedError("RL runs are single-process for now (one host's devices)")
+    out = storage.path(cfg.train.out_dir)
+    with lock_run_dir(out):
+        if fresh:
+            clear_run_dir(out)
+        storage.mkdir(out)
+        mesh = make_mesh(cfg.mesh)
+        with use_mesh(mesh):
+            return _train_rl(cfg, mesh, out, reschedule)
+
+
+def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
+    tc, rl = cfg.train, cfg.train.rl
+    tokenizer = load_tokenizer(tc.data.tokenizer)
+    policy = Policy(cfg, tokenizer)
+    train_prompts = open_prompts(rl.prompts, split="train", eval_fraction=rl.eval_fraction)
+    eval_prompts = open_prompts(rl.prompts, split="eval", eval_fraction=rl.eval_fraction) if rl.eval_fraction else None
+    iterator = PromptIterator(train_prompts, rl.prompts_per_step, seed=tc.seed)
+    position = PromptState(iterator)
+    mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
+                              item_names=checkpoint.train_items(cfg))
+    base = None
+    if mngr.latest_step() is not None:
+        ts = _abstract_on(cfg, mesh)
+        start = checkpoint.restore_train_state(mngr, cfg, ts, position)
+        if tc.lora.enabled:
+            base = checkpoint.restore_base(mngr, start)
+            checkpoint.load_base(ts.model, base, mesh)
+        note = check_schedule(checkpoint.restore_config(out / "checkpoints", step=start)[0], cfg, start,
+                              reschedule=reschedule)
+        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}" + (f"; {note}" if note else ""))
+    else:
+        ts, start = init_train_state(cfg, mesh), 0
+        if tc.init_from:
+            base = init_weights_from(ts.model, tc.init_from, mesh)
+            tqdm.write(f"initialised the model from {tc.init_from}")
+        elif tc.lora.enabled:
+            base = checkpoint.resolve_base(None, tc.seed)
+    storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    graphdef, state = nnx.split(ts)
+    state = _placed(state, mesh)
+    # The engine decodes with the trainer's arrays (scanned layers, the training mesh): no copy of the weights
+    engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=min(tc.seq_len + 1,
+                    cfg.model.max_seq_len), prefill_batch=rl.rows, mesh=mesh, unroll_layers=False,
+                    record_routes=True)
+    step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
+    score_fn = make_score_fn(graphdef, cfg)
+    schedule = learning_rate_schedule(tc.optim, tc.steps)
+    log = RunLog(out, step=start)
+
+    def use_weights(state) -> float:
+        t = time.perf_counter()
+        engine.set_weights(nnx.state(nnx.merge(graphdef, state).model))
+        return time.perf_counter() - t
+
+    result = {"eval_before": None, "eval_after": None, "interrupted": None, "record": {}}
+    if start == 0 and eval_prompts is not None:
+        use_weights(state)
+        result["eval_before"] = evaluate(engine, policy, eval_prompts, cfg)
+        log.write({"step": 0, **result["eval_before"]})
+        tqdm.write(f"held-out reward before RL: {result['eval_before']}")
+    step = start
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
+    saver = _Saver(mngr, cfg, graphdef, position, base)
+    replay = replays(cfg)
+    try:
+        with _StopRequest() as stop:
+            while step < tc.steps and not stop.signum:
+                record = {}
+                transfer_s = use_weights(state)
+                t0 = time.perf_counter()
+                records = next(iterator)
+                prompts = [prompt_ids(tokenizer, r) for r in records]
+                seeds = [rollout_seed(tc.seed, step, i) for i in range(rl.rows)]
+                completions = sample(engine, prompts, rl.group_size, max_new_tokens=rl.max_new_tokens,
+                                     temperature=rl.temperature, top_p=rl.top_p, stop_ids=policy.stop_ids, seeds=seeds)
+                t1 = time.perf_counter()
+                group_records = [r for r in records for _ in range(rl.group_size)]
+                rewards, per_fn = policy.score(group_records, completions)
+                batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
+                record.update({f"reward/{k}": float(np.mean(v)) for k, v in per_fn.items()})
+                t2 = time.perf_counter()
+                scored = {k: np.asarray(v) for k, v in score_fn(state, shard_batch(batch, mesh)).items()}
+                record.update({f"mismatch/{k}": v for k, v in
+                               logprob_mismatch(batch["rollout_logp"], scored["logp"], batch["mask"]).items()})
+                if "free_logp" in scored:
+                    record.update({f"mismatch_without_replay/{k}": v for k, v in
+                                   logprob_mismatch(batch["rollout_logp"], scored["free_logp"], batch["mask"]).items()})
+                    record["mismatch_without_replay/routing"] = routing_disagreement(
+                        batch["routes"], scored["free_routes"], batch["segment_ids"])
+                if rl.updates_per_rollout > 1:
+                    batch["old_logp"] = scored["logp"]
+                if rl.beta > 0:
+                    batch["ref_logp"] = scored["ref_logp"]
+                if not replay:
+                    del batch["routes"]
+                t3 = time.perf_counter()
+                device_batch = shard_batch(batch, mesh)
+                for _ in range(rl.updates_per_rollout):
+                    state, metrics = step_fn(state, device_batch)
+                    step += 1
+                    bar.update(1)
+                    if step >= tc.steps or stop.signum:
+                        break
+                metrics = jax.device_get(metrics)
+                t4 = time.perf_counter()
+                tokens = max(float(metrics["tokens"]), 1.0)
+                generated = sum(len(c.tokens) for c in completions)
+                record.update({
+                    "step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "clip_fraction": float(metrics["clipped_low"] + metrics["clipped_high"]) / tokens,
+                    **{name: float(metrics[name]) / tokens for name in TOKEN_SUMS},
+                    "rollout_tokens_per_s": generated / max(t1 - t0, 1e-9),
+                    "train_tokens_per_s": float(np.sum(batch["segment_ids"])) * rl.updates_per_rollout / max(t4 - t3, 1e-9),
+                    "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/score_s": t3 - t2,
+                    "time/train_s": t4 - t3, "time/weights_transfer_s": transfer_s})
+                log.write(record)
+                result["record"] = record
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+                if rl.eval_every and step % rl.eval_every == 0 and step < tc.steps and eval_prompts is not None:
+                    use_weights(state)
+                    log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
+                if step % tc.checkpoint_every == 0 or step == tc.steps or stop.signum:
+                    saver.save(step, state)
+            saver.wait()
+    except BaseException:
+        bar.close()
+        log.close()
+        with contextlib.suppress(Exception):
+            mngr.close()
+        raise
+    bar.close()
+    mngr.close()
+    if step < tc.steps:
+        log.close()
+        result["interrupted"] = signal.Signals(stop.signum).name
+        tqdm.write(f"{result['interrupted']}: stopped at step {step}; checkpoint saved. Run the same command to resume.")
+        return result
+    if eval_prompts is not None:
+        use_weights(state)
+        result["eval_after"] = evaluate(engine, policy, eval_prompts, cfg)
+        log.write({"step": step, **result["eval_after"]})
+        tqdm.write(f"held-out reward after RL: {result['eval_after']}")
+    log.close()
+    plot_losses(out)
+    if distributed.is_main_process():
+        print(f"step {step}: reward {result['record'].get('reward_mean', float('nan')):.4f}; metrics in "
+              f"{out / 'metrics.jsonl'}", flush=True)
+    return result
+
+
+__all__ = ["PromptState", "evaluate", "train_rl"]

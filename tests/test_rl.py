@@ -1,0 +1,128 @@
+"""RL on a two-layer tiny K3 with a latent MoE (k3jax/rl): the engine's rollouts on the trainer's weights, routing
+replay (the training forward selects exactly the experts the decode steps recorded, every token and layer), the
+rollout log-probabilities against the trainer's recomputation, the mismatch with and without replay, and the
+importance ratio at the first update."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import load_config
+from k3jax.model import moe_layers
+from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
+from k3jax.rl.objectives import token_weights
+from k3jax.rl.rollout import rollout_seed, sample, training_rows
+from k3jax.rl.step import TOKEN_SUMS, make_rl_step, make_score_fn
+from k3jax.serving.engine import Engine
+from k3jax.tokenizer import load_tokenizer
+from k3jax.training.step import init_train_state
+
+G, P, NEW = 4, 2, 6
+SMALL_RL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=40", f"train.batch_size={G * P}",
+            "train.rl.loss=grpo", f"train.rl.group_size={G}", f"train.rl.prompts_per_step={P}",
+            f"train.rl.max_new_tokens={NEW}", "train.rl.updates_per_rollout=2"]
+PROMPTS = ["In the beginning", "And God said, Let"]
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    """A tiny MoE model's train state, a rollout of G completions of two prompts by the recording engine on its
+    own arrays, the batch built from it and the scoring forward's outputs."""
+    cfg = load_config("tiny", SMALL_RL)
+    graphdef, state = nnx.split(init_train_state(cfg))
+    model = nnx.merge(graphdef, state).model
+    engine = Engine(model, max_batch=G * P, max_len=cfg.train.seq_len + 1, prefill_batch=G * P, prefill_chunk=16,
+                    unroll_layers=False, record_routes=True)
+    tok = load_tokenizer("byte")
+    completions = sample(engine, [tok.encode(p) for p in PROMPTS], G, max_new_tokens=NEW, temperature=1.0, top_p=1.0,
+                         stop_ids=(), seeds=[rollout_seed(0, 0, i) for i in range(G * P)])
+    batch = training_rows(completions, cfg.train.seq_len, cfg.model.moe.top_k, len(moe_layers(cfg.model)))
+    scored = {k: np.asarray(v) for k, v in make_score_fn(graphdef, cfg)(state, batch).items()}
+    return cfg, graphdef, state, engine, completions, batch, scored
+
+
+def test_engine_decodes_with_the_trainers_arrays(rollout):
+    _, graphdef, state, engine, *_ = rollout
+    model_state = nnx.state(nnx.merge(graphdef, state).model)
+    engine.set_weights(model_state)
+    for a, b in zip(jax_leaves(engine._state), jax_leaves(model_state)):
+        assert a is b  # the same arrays: no copy, no reshard
+    with pytest.raises(ValueError, match="structure"):
+        engine.set_weights({"not": "a model"})
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_rollout_rows_and_routes(rollout):
+    cfg, *_, completions, batch, _ = rollout
+    m, k = len(moe_layers(cfg.model)), cfg.model.moe.top_k
+    assert m >= 1 and batch["routes"].shape == (G * P, cfg.train.seq_len, m, k)
+    for i, c in enumerate(completions):
+        assert len(c.tokens) == NEW and c.finish == "length"  # no stop ids: every completion runs to its limit
+        n = len(c.prompt) + NEW - 1
+        assert batch["mask"][i].sum() == NEW and batch["mask"][i, len(c.prompt) - 1] == 1
+        np.testing.assert_array_equal(batch["targets"][i, len(c.prompt) - 1:n], c.tokens)
+        assert c.routes.shape == (len(c.prompt) + NEW, m, k)
+        # each token's experts are k distinct experts
+        assert all(len(set(r.tolist())) == k for r in c.routes.reshape(-1, k))
+    # the G completions of a prompt differ (their own seeds)
+    assert len({tuple(c.tokens) for c in completions[:G]}) > 1
+
+
+def test_replay_selects_the_recorded_experts(rollout):
+    """The training forward with replay uses exactly the experts the rollout recorded, every token of every row
+    in every MoE layer; without replay it picks its own top-k (the fraction that differs is printed)."""
+    cfg, graphdef, state, *_ = rollout
+    batch = rollout[5]
+    model = nnx.merge(graphdef, state).model
+    _, _, stats = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], replay_routes=batch["routes"],
+                                record_routes=True)
+    real = batch["segment_ids"] > 0
+    np.testing.assert_array_equal(np.asarray(stats.routes)[real], batch["routes"][real])
+    # replay is what selects: other routes replayed are the ones used (each token's next k experts)
+    shifted = (batch["routes"] + 1) % cfg.model.moe.num_experts
+    _, _, other = model.forward(batch["tokens"], segment_ids=batch["segment_ids"], replay_routes=shifted,
+                                record_routes=True)
+    np.testing.assert_array_equal(np.asarray(other.routes)[real], shifted[real])
+    free = rollout[6]["free_routes"]
+    print(f"routing decisions that differ without replay: {routing_disagreement(batch['routes'], free, real):.4f}")
+
+
+def test_rollout_logprobs_equal_the_trainers(rollout):
+    """The engine's sampled log-probabilities equal the trainer's recomputation on the same weights (replay on)
+    within float32 rounding, and replay brings the KL no higher than without it."""
+    batch, scored = rollout[5], rollout[6]
+    mask = batch["mask"] > 0
+    np.testing.assert_allclose(scored["logp"][mask], batch["rollout_logp"][mask], atol=2e-5, rtol=0)
+    with_replay = logprob_mismatch(batch["rollout_logp"], scored["logp"], batch["mask"])
+    without = logprob_mismatch(batch["rollout_logp"], scored["free_logp"], batch["mask"])
+    print(f"rollout/trainer mismatch with replay {with_replay}, without {without}")
+    assert with_replay["kl_k3"] <= without["kl_k3"] + 1e-12
+    assert with_replay["prob_pearson"] > 0.9999
+
+
+def test_the_first_update_has_ratio_one(rollout):
+    """With the scoring forward's log-probabilities as the old policy, the first update's importance ratio is 1
+    (no token clipped), and the update moves the weights."""
+    cfg, graphdef, state, _, completions, batch, scored = rollout
+    import jax
+
+    rewards = np.array([len(set(c.tokens)) for c in completions], np.float32)  # any reward with variance
+    groups = rewards.reshape(P, G)
+    adv = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+    full = dict(batch, advantages=adv, weights=np.asarray(token_weights(batch["mask"], "sequence")),
+                old_logp=scored["logp"], ref_logp=np.zeros_like(scored["logp"]))
+    step = make_rl_step(graphdef, cfg)
+    before = jax.tree.map(np.asarray, state)
+    new_state, metrics = step(jax.tree.map(lambda x: x.copy(), state), full)
+    tokens = float(metrics["tokens"])
+    assert tokens == batch["mask"].sum()
+    assert abs(float(metrics["ratio"]) / tokens - 1.0) < 1e-5
+    assert float(metrics["clipped_low"]) == 0 and float(metrics["clipped_high"]) == 0
+    assert set(TOKEN_SUMS) <= set(metrics) and bool(metrics["finite"]) and float(metrics["grad_norm"]) > 0
+    moved = [not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state))]
+    assert any(moved)
