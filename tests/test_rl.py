@@ -9,6 +9,7 @@ from flax import nnx
 
 from k3jax.config import load_config
 from k3jax.model import moe_layers
+from k3jax.rl.environments import EnvTurn
 from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
 from k3jax.rl.objectives import token_weights
 from k3jax.rl.rollout import rollout_seed, sample, training_rows
@@ -18,7 +19,7 @@ from k3jax.tokenizer import load_tokenizer
 from k3jax.training.step import init_train_state
 
 G, P, NEW = 4, 2, 6
-SMALL_RL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=40", f"train.batch_size={G * P}",
+SMALL_RL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=64", f"train.batch_size={G * P}",
             "train.rl.loss=grpo", f"train.rl.group_size={G}", f"train.rl.prompts_per_step={P}",
             f"train.rl.max_new_tokens={NEW}", "train.rl.updates_per_rollout=2"]
 PROMPTS = ["In the beginning", "And God said, Let"]
@@ -111,7 +112,7 @@ def test_the_first_update_has_ratio_one(rollout):
     cfg, graphdef, state, _, completions, batch, scored = rollout
     import jax
 
-    rewards = np.array([len(set(c.tokens)) for c in completions], np.float32)  # any reward with variance
+    rewards = np.array([c.tokens[0] % 5 for c in completions], np.float32)  # any reward with variance
     groups = rewards.reshape(P, G)
     adv = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
     full = dict(batch, advantages=adv, weights=np.asarray(token_weights(batch["mask"], "sequence")),
@@ -126,3 +127,62 @@ def test_the_first_update_has_ratio_one(rollout):
     assert set(TOKEN_SUMS) <= set(metrics) and bool(metrics["finite"]) and float(metrics["grad_norm"]) > 0
     moved = [not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state))]
     assert any(moved)
+
+
+STOP_AT_ONCE = tuple(range(256))  # every byte ends a reply: each model turn is one token, and stops
+
+
+class ScriptedEnvironment:
+    """Answers the first model turn with a tool message, whatever it says, and ends the episode at the second
+    with a reward of 1 (the tool round trip of a multi-turn episode, independent of what a random model writes)."""
+
+    tools = []  # none advertised: the prompt stays short (the rows of this module hold 64 tokens)
+
+    def __init__(self):
+        self.turns, self.closed = 0, False
+
+    def step(self, messages):
+        self.turns += 1
+        assert messages[-1]["role"] == "assistant"
+        if self.turns == 1:
+            return EnvTurn(messages=({"role": "tool", "tool_call_id": "call_0", "content": "50"},))
+        return EnvTurn(done=True, reward=1.0)
+
+    def close(self):
+        self.closed = True
+
+
+def test_multi_turn_trains_exactly_the_models_tokens(rollout):
+    """Two model turns around a tool turn: the row is prompt, the first reply, the tool message and the next
+    generation prompt as the transcript renders them, the second reply; only the replies train, each with its
+    sampled log-probabilities; every token has its experts; the environment is closed."""
+    from k3jax.rl.episodes import run_episodes
+    from k3jax.rl.prompts import PromptRecord
+
+    cfg, graphdef, state, engine, *_ = rollout
+    engine.set_weights(nnx.state(nnx.merge(graphdef, state).model))
+    tok = load_tokenizer("byte")
+    envs = []
+
+    def factory(fields):
+        envs.append(ScriptedEnvironment())
+        return envs[-1]
+
+    record = PromptRecord(messages=({"role": "user", "content": "?"},), text=None, tools=None, fields={},
+                          where="test:0")
+    (episode,) = run_episodes(engine, tok, [record], 1, factory, max_turns=3, row_tokens=cfg.train.seq_len + 1,
+                              max_new_tokens=4, temperature=1.0, top_p=1.0, stop_ids=STOP_AT_ONCE,
+                              seed=lambda r, t: 7 + t)
+    assert envs[0].closed and envs[0].turns == 2 and episode.finish == "stop" and episode.env_reward == 1.0
+    trained = episode.trained
+    tool_turn = tok.encode("\ntool: 50\x04\nassistant:")
+    # the untrained tokens are exactly the tool turn and the generation prompt, rendered by the transcript
+    untrained = [t for t, m in zip(episode.tokens, trained) if not m]
+    assert untrained == tool_turn
+    first = trained.tolist().index(False)
+    assert all(trained[:first]) and all(trained[first + len(tool_turn):])
+    assert len(episode.tokens) - len(tool_turn) == trained.sum() == 2  # one token a reply: every byte stops
+    assert np.all(episode.logprobs[~trained] == 0) and np.all(episode.logprobs[trained] < 0)
+    assert episode.routes.shape[0] == len(episode.prompt) + len(episode.tokens)
+    batch = training_rows([episode], cfg.train.seq_len, cfg.model.moe.top_k, len(moe_layers(cfg.model)))
+    assert batch["mask"].sum() == trained.sum()

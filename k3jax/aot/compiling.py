@@ -29,6 +29,20 @@ and blockwise attention over more than one key block.
 ``6 * N_active * tokens`` (training) and ``2 * N_active * tokens`` (one decode step) are the model
 FLOPs; the ratio shows recompute (remat), attention, routing, the expert-parallel buffers' padding
 and the optimizer; the Newton-Schulz part of it is counted analytically and shown separately.
+
+Reinforcement learning (``rl`` jobs, :func:`compile_rl`): rollouts and updates run on one mesh with one set
+of weight arrays (``k3jax.rl.trainer``), so two programs are compiled from one abstract train state and its
+shardings: the **rollout**, the serving engine's own decode step (``k3jax.serving.engine.decode_program``,
+recording routes and sampled log-probabilities) of every row (``train.rl.prompts_per_step x group_size``)
+against the engine's pool of ``seq_len + 1`` slots, reading the train state's model arrays as they are
+(LoRA: the adapters with the frozen base); and the **update**, ``k3jax.rl.step.make_rl_step`` on the rows
+``[rows, seq_len]`` with the rollout's routes replayed (``train.rl.routing_replay``). Each phase's arrays
+that the other keeps on the device stay resident through it: the optimizer state through the rollout,
+the engine's pool (cache, last logits, keys) through the update. Each phase is therefore compiled held to
+the HBM budget less those resident bytes (the fits column's "under"), and its report adds them to its
+memory_analysis total (``Result.resident_bytes``); the larger of the two sums is the job's peak. Their
+FLOPs and collectives come from the breakdown (``k3jax.aot.breakdown``) even without ``--breakdown``: the
+cost-analysis count's second program, without the layer stack, cannot record the dropped layers' routes.
 """
 
 from __future__ import annotations
@@ -37,22 +51,26 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import re
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.aot import analytic
 from k3jax.aot import breakdown as hlo_breakdown
 from k3jax.aot.analytic import newton_schulz_flops
 from k3jax.aot.plan import Job
 from k3jax.aot.slices import GIB, TpuSlice
-from k3jax.config import Config, VisionConfig
+from k3jax.cache import init_cache
+from k3jax.config import Config, ModelConfig, VisionConfig
 from k3jax.data.images import IMAGE_KEY_PREFIX
-from k3jax.model import K3Model, abstract_model
+from k3jax.model import K3Model, abstract_model, moe_layers
+from k3jax.rl.step import make_rl_step, replays
+from k3jax.serving.engine import decode_program
 from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding,
                             state_shardings)
@@ -88,11 +106,19 @@ class Result:
     # the same with the data-dependent loops not run (the dropless exchange's overflow rounds); None: none
     breakdown_no_overflow: hlo_breakdown.Breakdown | None = None
     analytic: dict | None = None  # all devices' analytic FLOPs per part (k3jax.aot.analytic.step_flops)
+    # an rl phase: what the other phase keeps on each device through this one, outside this program (the
+    # optimizer state through the rollout, the engine's pool through the update; module docstring)
+    resident_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         """What one device holds at the peak: arguments + outputs - donated (aliased) + temporaries."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def resident_total_bytes(self) -> int:
+        """:attr:`total_bytes` and the arrays resident beside the program (an rl phase; else the same)."""
+        return self.total_bytes + self.resident_bytes
 
     @property
     def fits(self) -> bool:
@@ -109,7 +135,41 @@ class Result:
     @property
     def tokens(self) -> int:
         per_row = {"train": self.job.seq_len, "decode": 1, "prefill": self.job.prefill_chunk or self.job.seq_len}
-        return self.job.batch * per_row[self.job.mode]
+        return self.job.batch * per_row[self.job.program]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLResult:
+    """The two phases of an ``rl`` job (module docstring) and what each device keeps resident (bytes)."""
+
+    rollout: Result
+    train: Result
+    state_bytes: int  # the train state: weights (adapters and frozen base included), optimizer state, counters
+    weight_bytes: int  # of which the model's arrays: what the rollout reads
+    cache_bytes: int  # the rollout engine's pool: the cache of every row, their last logits and sampling keys
+
+    @property
+    def resident_bytes(self) -> int:
+        """What lives on each device through both phases: the train state and the rollout engine's pool."""
+        return self.state_bytes + self.cache_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """The train state less the weights: resident through the rollout."""
+        return self.state_bytes - self.weight_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per device at the larger of the two phases' peaks, the other phase's resident arrays included."""
+        return max(self.rollout.resident_total_bytes, self.train.resident_total_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.rollout.fits and self.train.fits
+
+    @property
+    def phases(self) -> tuple[Result, Result]:
+        return self.rollout, self.train
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +196,52 @@ def abstract_batch(mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES,
             out[key] = jax.ShapeDtypeStruct(shp, dtype, sharding=named_sharding(mesh, batch_array_axes(key, len(shp)), shp,
                                                                                 rules))
     return out
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard where they differ)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # a PRNG key: its key data
+               for x in jax.tree.leaves(tree))
+
+
+def rl_slots(cfg: ModelConfig, seq_len: int) -> int:
+    """The rollout engine's cache slots for rows of ``seq_len`` tokens (``k3jax.rl.trainer``: the prompt and
+    the completion of a row, one more than the training row's inputs, up to ``model.max_seq_len``)."""
+    return min(seq_len + 1, cfg.max_seq_len)
+
+
+def abstract_rl_batch(cfg: Config, mesh, batch: int, seq_len: int, rules: Rules = DEFAULT_RULES) -> dict:
+    """An RL training batch (``k3jax.rl.step``'s fields) as sharded ShapeDtypeStructs, split as
+    ``k3jax.sharding.shard_batch`` splits the trainer's: ``[batch, seq_len]`` rows, ``advantages [batch]`` and,
+    when the step replays them (``k3jax.rl.step.replays``), the routes ``[batch, seq_len, M, k]``."""
+    shapes = {"tokens": jnp.int32, "segment_ids": jnp.int32, "targets": jnp.int32, "mask": jnp.float32,
+              "weights": jnp.float32, "rollout_logp": jnp.float32, "old_logp": jnp.float32, "ref_logp": jnp.float32}
+    fields = {k: ((batch, seq_len), dtype) for k, dtype in shapes.items()}
+    fields["advantages"] = ((batch,), jnp.float32)
+    if replays(cfg):
+        fields["routes"] = ((batch, seq_len, len(moe_layers(cfg.model)), cfg.model.moe.top_k), jnp.int32)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=named_sharding(mesh, batch_array_axes(k, len(shape)),
+                                                                          shape, rules))
+            for k, (shape, dtype) in fields.items()}
+
+
+def rl_arguments(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int) -> dict:
+    """The abstract, sharded arguments of an rl job's two programs, built as ``k3jax.rl.trainer`` builds
+    them: the train state (``train_graphdef``, ``state``) with the rule-derived shardings, the model's part of
+    it (``model_graphdef``, ``weights``: the arrays the engine decodes with, no copy, in the same shardings),
+    and the engine's pool of ``batch`` rows (``pool``: the cache, ``logits``, ``keys``, replicated as the
+    engine keeps them)."""
+    train_graphdef, state = abstract_train_state(cfg, model)
+    state = abstract_with_shardings(state, state_shardings(state, mesh, rules))
+    model_graphdef, weights = nnx.split(nnx.merge(train_graphdef, state).model)
+    rep = NamedSharding(mesh, PartitionSpec())
+    slots = rl_slots(model.cfg, seq_len)
+    cache = jax.eval_shape(lambda: init_cache(model.cfg, model.plan, batch, slots))
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+    pool = {"cache": abstract_with_shardings(cache, cache_shardings(cache, mesh, rules)),
+            "logits": jax.ShapeDtypeStruct((batch, model.cfg.vocab_size), jnp.float32, sharding=rep),
+            "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=rep)}
+    return dict(train_graphdef=train_graphdef, state=state, model_graphdef=model_graphdef, weights=weights, pool=pool)
 
 
 def without_groups(model: K3Model) -> K3Model:
@@ -196,10 +302,10 @@ def _oom_summary(err: Exception) -> str:
 
 
 def job_model(cfg: Config, mode: str) -> K3Model:
-    """The abstract model a job compiles: a training job of a LoRA config (``train.lora``) carries its
-    adapters (the state then trains only them, over the frozen weights); inference jobs never do
-    (adapters are merged into the weights before serving)."""
-    return abstract_model(cfg.model, lora=cfg.train.lora if mode == "train" else None)
+    """The abstract model a job compiles: a training or rl job of a LoRA config (``train.lora``) carries its
+    adapters (the state then trains only them, over the frozen weights; an rl rollout decodes with them);
+    inference jobs never do (adapters are merged into the weights before serving)."""
+    return abstract_model(cfg.model, lora=cfg.train.lora if mode in ("train", "rl") else None)
 
 
 def lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
@@ -215,6 +321,30 @@ def lower_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq
                      donate_argnums=0)
     with jax.set_mesh(mesh):
         return jitted.lower(*args)
+
+
+def lower_rl_rollout(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    """An rl job's rollout program: the engine's decode step (``decode_program``, ``record_routes``: every
+    row's experts and sampled log-probability) of all ``batch`` rows of the pool, jitted as the engine jits it
+    (pool, logits and keys donated; outputs replicated but the pool's), on the train state's weight arrays."""
+    a = rl_arguments(cfg, mesh, model, rules, batch, seq_len)
+    pool, rep = a["pool"], NamedSharding(mesh, PartitionSpec())
+    decode = functools.partial(decode_program(a["model_graphdef"], record_routes=True), batch)
+    pool_sh = jax.tree.map(lambda x: x.sharding, pool["cache"])
+    jitted = jax.jit(decode, out_shardings=(rep, rep, rep, rep, rep, pool_sh), donate_argnums=(1, 2, 3))
+    per_row = [jax.ShapeDtypeStruct((batch,), dtype, sharding=rep)
+               for dtype in (jnp.float32, jnp.float32, jnp.bool_, jnp.bool_)]  # temperature, top_p, active, wants
+    with jax.set_mesh(mesh):
+        return jitted.lower(a["weights"], pool["cache"], pool["logits"], pool["keys"], *per_row)
+
+
+def lower_rl_train(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int):
+    """An rl job's update: ``k3jax.rl.step.make_rl_step`` (state donated, its shardings kept) on an RL batch of
+    ``batch`` rows of ``seq_len`` tokens (:func:`abstract_rl_batch`)."""
+    a = rl_arguments(cfg, mesh, model, rules, batch, seq_len)
+    step = make_rl_step(a["train_graphdef"], cfg, state_shardings=jax.tree.map(lambda x: x.sharding, a["state"]))
+    with jax.set_mesh(mesh):
+        return step.lower(a["state"], abstract_rl_batch(cfg, mesh, batch, seq_len, rules))
 
 
 def lower_decode(cfg: Config, mesh, model: K3Model, rules: Rules, batch: int, seq_len: int, new_tokens: int = 1):
@@ -246,7 +376,7 @@ def _step_flops(cfg: Config, job: Job, mesh, rules: Rules, lower, per_device: fl
     With gradient accumulation the micro-batch loop is one more loop XLA counts once, so the FLOPs
     come from the step compiled for one micro-batch (``grad_accum=1``; same per-device shapes):
     ``A * micro - (A - 1) * NS``, the optimizer (Newton-Schulz, analytic) running once per step."""
-    accum = cfg.train.grad_accum if job.mode == "train" else 1
+    accum = cfg.train.grad_accum if job.program == "train" else 1
     batch = job.batch // accum
     if accum > 1:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1, batch_size=batch))
@@ -296,7 +426,10 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
                 num_devices=mesh.size, hbm_bytes=tpu.hbm_bytes, hbm_limit_bytes=limit)
     options = {"xla_tpu_max_hbm_size_mib": limit // 2**20} if limit else {}
     lower = {"train": lower_train, "decode": lower_decode,
-             "prefill": functools.partial(lower_decode, new_tokens=job.prefill_chunk or job.seq_len)}[job.mode]
+             "prefill": functools.partial(lower_decode, new_tokens=job.prefill_chunk or job.seq_len),
+             "rl": {"rollout": lower_rl_rollout, "train": lower_rl_train}.get(job.phase)}[job.mode]
+    if lower is None:
+        raise ValueError("an rl job compiles one phase at a time (phase 'rollout' or 'train'): use compile_rl")
     t0 = time.perf_counter()
     try:
         lowered = lower(cfg, mesh, job_model(cfg, job.mode), rules, job.batch, job.seq_len)
@@ -317,17 +450,46 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
     parts = hlo_breakdown.breakdown(text) if breakdown else None
     no_overflow = hlo_breakdown.breakdown(text, 0) if parts is not None and parts.data_dependent_loops else None
     del compiled, lowered, text
-    model_flops = analytic.model_flops(cfg, result.tokens, job.mode)
-    ns_flops = newton_schulz_flops(cfg) if job.mode == "train" else 0.0
+    model_flops = analytic.model_flops(cfg, result.tokens, job.program)
+    ns_flops = newton_schulz_flops(cfg) if job.program == "train" else 0.0
     step_flops = 0.0
     if parts is not None:
         step_flops = parts.total_flops * mesh.size
-        expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.mode)  # Newton-Schulz included
+        expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.program)  # Newton-Schulz included
         result = dataclasses.replace(result, breakdown=parts, analytic=expected, breakdown_no_overflow=no_overflow)
     elif flops:
         step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
 
 
-__all__ = ["Result", "abstract_batch", "compile_job", "job_model", "lower_decode", "lower_train",
-           "without_groups"]
+def compile_rl(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
+               devices=None, hbm_limit_bytes: int | None = None, log=print) -> RLResult:
+    """Compile both phases of the ``rl`` job ``job`` (module docstring) with :func:`compile_job`, each held
+    to the HBM budget (``hbm_limit_bytes``, else the job's or the device's) less what the other phase keeps
+    resident on the device. With ``flops`` the FLOPs (and the collectives) come from the breakdown of each
+    phase's optimized HLO, as with ``breakdown``: the cost-analysis count's second program, the step without
+    its layer stack, cannot record the routes of the MoE layers it drops."""
+    if job.mode != "rl":
+        raise ValueError(f"compile_rl compiles rl jobs, got mode {job.mode!r}")
+    cfg = job.load()
+    tpu = TpuSlice.v5p(job.slice)
+    devices = tpu.devices() if devices is None else devices
+    mesh = make_mesh(job.mesh, devices)
+    a = rl_arguments(cfg, mesh, job_model(cfg, job.mode), rules, job.batch, job.seq_len)
+    state, weights, cache = device_bytes(a["state"]), device_bytes(a["weights"]), device_bytes(a["pool"])
+    del a
+    if hbm_limit_bytes is None:
+        hbm_limit_bytes = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
+    out = {}
+    for phase, resident in (("rollout", state - weights), ("train", cache)):
+        log(f"  {phase}: {resident / GIB:.2f} GiB resident beside it")
+        r = compile_job(dataclasses.replace(job, phase=phase), rules=rules, flops=flops,
+                        breakdown=breakdown or flops, devices=devices,
+                        hbm_limit_bytes=max(hbm_limit_bytes - resident, 2**20), log=log)
+        out[phase] = dataclasses.replace(r, resident_bytes=resident)
+    return RLResult(out["rollout"], out["train"], state_bytes=state, weight_bytes=weights, cache_bytes=cache)
+
+
+__all__ = ["RLResult", "Result", "abstract_batch", "abstract_rl_batch", "compile_job", "compile_rl", "device_bytes",
+           "job_model", "lower_decode", "lower_rl_rollout", "lower_rl_train", "lower_train", "rl_arguments",
+           "rl_slots", "without_groups"]

@@ -1,5 +1,6 @@
 """A job (one program to compile: config, mode, slice, mesh, batch) and the PLAN of the scale proof
-(``python -m k3jax.aot`` without ``--config``; docs/scale.md holds its table)."""
+(``python -m k3jax.aot`` without ``--config``; docs/scale.md holds its table). An ``rl`` job is two programs
+on one mesh and one set of weights, its phases (:func:`rl_job`, ``k3jax.aot.compiling.compile_rl``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from k3jax.config import Config, MeshConfig, load_config
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One program to compile. ``batch`` is the global number of rows; ``seq_len`` is tokens per row
-    (train) or the cache length, i.e. the context (decode)."""
+    (train, rl) or the cache length, i.e. the context (decode, prefill). An ``rl`` job's ``phase`` names the
+    program: ``rollout`` (the engine's decode step of every row, against ``seq_len + 1`` slots as the RL
+    trainer's engine holds them) or ``train`` (``k3jax.rl.step.make_rl_step`` on ``[batch, seq_len]`` rows);
+    ``""``: both (``compiling.compile_rl``)."""
 
     config: str
-    mode: Literal["train", "decode", "prefill"]
+    mode: Literal["train", "decode", "prefill", "rl"]
     slice: str
     mesh: MeshConfig
     batch: int
@@ -24,9 +28,38 @@ class Job:
     note: str = ""
     hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
     prefill_chunk: int = 0  # prefill: prompt tokens per row and call (0: the whole context in one call)
+    phase: Literal["", "rollout", "train"] = ""  # rl: the program (above)
 
     def load(self) -> Config:
         return load_config(self.config, list(self.overrides))
+
+    @property
+    def program(self) -> str:
+        """What the program is for the analytic model (``k3jax.aot.analytic``'s mode): the mode, and for an
+        ``rl`` job its phase's (the rollout is a decode step, the update a train step)."""
+        if self.mode != "rl":
+            return self.mode
+        return {"rollout": "decode", "train": "train"}[self.phase]
+
+
+RL_LOSS = "grpo"  # the objective an rl job compiles when the config sets none (train.rl.loss=off)
+
+
+def rl_job(config: str, slice: str, mesh: MeshConfig, seq_len: int | None = None, overrides: tuple[str, ...] = (),
+           **kwargs) -> Job:
+    """The ``rl`` job of a config (``python -m k3jax.aot --mode rl``): its rows are the rollout's,
+    ``train.rl.prompts_per_step x train.rl.group_size``, each ``seq_len`` tokens (prompt + completion; default
+    ``train.seq_len``). ``train.batch_size`` and ``train.seq_len`` are set to them and, where the config sets
+    no RL objective, ``train.rl.loss`` to :data:`RL_LOSS` (an RL config validates them: ``k3jax.config``);
+    these overrides follow the given ones in the job's."""
+    probe = load_config(config, [*overrides, "train.rl.loss='off'"])  # the rows, before the RL checks
+    rows, seq = probe.train.rl.rows, seq_len or probe.train.seq_len
+    derived = (f"train.batch_size={rows}", f"train.seq_len={seq}")
+    if load_config(config, [*overrides, *derived]).train.rl.loss == "off":
+        derived += (f"train.rl.loss={RL_LOSS}",)
+    job = Job(config, "rl", slice, mesh, rows, seq, (*overrides, *derived), **kwargs)
+    job.load()  # the RL checks (train.seq_len > train.rl.max_new_tokens, ...)
+    return job
 
 
 # The scale proof (docs/scale.md). Train: full K3 (float32 master weights, bf16 Muon momentum, AdamW
@@ -74,4 +107,4 @@ PLAN: tuple[Job, ...] = (
 )
 
 
-__all__ = ["PLAN", "Job"]
+__all__ = ["PLAN", "RL_LOSS", "Job", "rl_job"]

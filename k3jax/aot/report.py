@@ -1,11 +1,12 @@
 """What a compile reports: the Markdown table of results (per-device memory, step FLOPs, the compiler's
-verdict) and the per-part breakdown with its ratios and collective time at ICI bandwidth."""
+verdict), the per-part breakdown with its ratios and collective time at ICI bandwidth, and an rl job's
+phases side by side with what stays resident between them (:func:`rl_report`)."""
 
 from __future__ import annotations
 
 from k3jax.aot import analytic
 from k3jax.aot import breakdown as hlo_breakdown
-from k3jax.aot.compiling import Result
+from k3jax.aot.compiling import Result, RLResult, rl_slots
 from k3jax.aot.slices import GIB, V5P_ICI_BYTES_PER_S, V5P_PEAK_FLOPS
 
 
@@ -15,8 +16,8 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
     b, n = r.breakdown, r.num_devices
     ns = b.part_flops("newton_schulz")
     model = r.model_flops / n
-    attention = sum(analytic.mixing_flops_per_token(r.job.load().model, r.job.seq_len, r.job.mode).values())
-    attention *= analytic.STEP_FACTOR[r.job.mode] * r.tokens / n
+    attention = sum(analytic.mixing_flops_per_token(r.job.load().model, r.job.seq_len, r.job.program).values())
+    attention *= analytic.STEP_FACTOR[r.job.program] * r.tokens / n
     compute_s = b.total_flops / V5P_PEAK_FLOPS
     comm_s = sum(b.collective_bytes.values()) / V5P_ICI_BYTES_PER_S
     summary = {
@@ -60,6 +61,52 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
                               {k: v / n for k, v in (r.analytic or {}).items()}}
 
 
+def rl_report(r: RLResult) -> tuple[str, dict]:
+    """An rl job's phases (per device): memory_analysis's arguments, temporaries and total, what the other
+    phase keeps resident beside it and the sum, FLOPs against the model FLOPs and, with the breakdown, the
+    collectives; then the resident arrays and the job's peak. The text (Markdown) and its JSON."""
+    rows = ["| phase | program | argument GiB | temp GiB | total GiB | resident GiB | total with both resident GiB "
+            "| fits | FLOPs/step | model FLOPs | ratio | collectives GB per device | s at ICI | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    data = {}
+    for p in r.phases:
+        resident = "optimizer state" if p.job.phase == "rollout" else "rollout cache"
+        coll = dict(p.breakdown.collective_bytes) if p.breakdown is not None else {}
+        fl = (f"{p.step_flops:.3e} | {p.model_flops:.3e} | {p.flops_ratio:.2f}" if p.step_flops else "– | – | –")
+        sent = sum(coll.values())
+        mem = (f"{gib(p.argument_bytes)} | {gib(p.temp_bytes)} | {gib(p.total_bytes)} | {gib(p.resident_bytes)} "
+               f"({resident}) | {gib(p.resident_total_bytes)}" if not p.error else f"– | – | – | – | {p.error}")
+        comm = f"{sent / 1e9:.2f} | {sent / V5P_ICI_BYTES_PER_S:.3f}" if p.breakdown is not None else "– | –"
+        rows.append(f"| {p.job.phase} | {program_text(p)} | {mem} | {verdict(p)} | {fl} | {comm} | "
+                    f"{p.compile_seconds:.0f} |")
+        data[p.job.phase] = {
+            "argument_bytes": p.argument_bytes, "output_bytes": p.output_bytes - p.alias_bytes,
+            "temp_bytes": p.temp_bytes, "total_bytes": p.total_bytes, "resident_bytes": p.resident_bytes,
+            "resident_total_bytes": p.resident_total_bytes, "hbm_limit_bytes": p.hbm_limit_bytes, "fits": p.fits,
+            "error": p.error, "step_flops": p.step_flops, "model_flops": p.model_flops, "flops_ratio": p.flops_ratio,
+            "tokens": p.tokens, "collective_bytes": coll, "compile_seconds": p.compile_seconds}
+    memory = {"state_bytes": r.state_bytes, "weight_bytes": r.weight_bytes, "optimizer_bytes": r.optimizer_bytes,
+              "cache_bytes": r.cache_bytes, "resident_bytes": r.resident_bytes, "peak_bytes": r.peak_bytes,
+              "hbm_bytes": r.train.hbm_bytes}
+    rows += ["", f"per device through both phases: train state {gib(r.state_bytes)} GiB (weights "
+                 f"{gib(r.weight_bytes)}, optimizer state {gib(r.optimizer_bytes)}) + rollout cache "
+                 f"{gib(r.cache_bytes)} GiB = {gib(r.resident_bytes)} GiB; peak with both resident "
+                 + (f"{gib(r.peak_bytes)} / {gib(r.train.hbm_bytes)} GiB" if not (r.rollout.error or r.train.error)
+                    else "– (not compiled within the budget)")]
+    return "\n".join(rows), {**data, "memory": memory}
+
+
+def program_text(r: Result) -> str:
+    """The table's program column: what the job runs, its rows and tokens (without the note)."""
+    j = r.job
+    if j.mode == "rl":
+        if j.phase == "rollout":
+            return f"rl rollout {j.batch} x 1 @ {rl_slots(j.load().model, j.seq_len):,} slots"
+        return f"rl train {j.batch} x {j.seq_len}"
+    return {"train": f"train {j.batch} x {j.seq_len}", "decode": f"decode {j.batch} x 1 @ {j.seq_len:,} ctx",
+            "prefill": f"prefill {j.batch} x {j.prefill_chunk or j.seq_len:,} @ {j.seq_len:,} ctx"}[j.mode]
+
+
 def gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
@@ -80,19 +127,24 @@ def verdict(r: Result) -> str:
 
 
 def table(results: list[Result]) -> str:
-    """A Markdown table of per-device memory and step FLOPs (output GiB: not aliased to arguments)."""
+    """A Markdown table of per-device memory and step FLOPs (output GiB: not aliased to arguments). An rl
+    phase's total counts the other phase's resident arrays too (``Result.resident_total_bytes``), named in
+    its program column."""
     rows = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for r in results:
         j = r.job
-        what = {"train": f"train {j.batch} x {j.seq_len}", "decode": f"decode {j.batch} x 1 @ {j.seq_len:,} ctx",
-                "prefill": f"prefill {j.batch} x {j.prefill_chunk or j.seq_len:,} @ {j.seq_len:,} ctx"}[j.mode]
-        if j.note:
-            what += f" ({j.note})"
+        what = program_text(r)
+        notes = [j.note] if j.note else []
+        if r.resident_bytes:
+            notes.append(f"+ {gib(r.resident_bytes)} GiB "
+                         f"{'optimizer state' if j.phase == 'rollout' else 'rollout cache'} resident")
+        if notes:
+            what += f" ({'; '.join(notes)})"
         if r.error:
             mem = f"| – | – | – | {r.error} | no |"
         else:
             mem = (f"| {gib(r.argument_bytes)} | {gib(r.output_bytes - r.alias_bytes)} | {gib(r.temp_bytes)} | "
-                   f"{gib(r.total_bytes)} / {gib(r.hbm_bytes)} | {verdict(r)} |")
+                   f"{gib(r.resident_total_bytes)} / {gib(r.hbm_bytes)} | {verdict(r)} |")
         if r.step_flops:
             ns = f"{r.ns_flops / r.model_flops:.2f}" if r.ns_flops else "–"
             fl = f"{r.step_flops:.3e} | {r.model_flops:.3e} | {r.flops_ratio:.2f} | {ns}"
@@ -103,4 +155,4 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["TABLE_HEADER", "breakdown_report", "gib", "mesh_text", "table", "verdict"]
+__all__ = ["TABLE_HEADER", "breakdown_report", "gib", "mesh_text", "program_text", "rl_report", "table", "verdict"]

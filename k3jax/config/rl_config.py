@@ -44,6 +44,10 @@ class RLConfig:
     answer_field: str = "answer"
     answer_pattern: str | None = None  # exact_match's extraction regex (None: the last number)
     format_pattern: str | None = None  # format's regex
+    # multi-turn episodes with tools (k3jax/rl/episodes.py): `calculator`, `python` (a sandbox per episode) or
+    # module:function returning an environment for a record; None: one reply per prompt
+    environment: str | None = None
+    max_turns: int = 4  # model turns per episode
     # an extra forward per step without replay: the fraction of routing decisions that differ, and the
     # rollout / trainer KL without replay
     measure_mismatch: bool = runtime(True)
@@ -80,6 +84,7 @@ class RLConfig:
         check(not self.reward_weights or len(self.reward_weights) == len(self.rewards), f"{prefix}.reward_weights",
               f"one weight per reward function ({len(self.rewards)}), or none")
         check(self.eval_every >= 0, f"{prefix}.eval_every", "must be >= 0")
+        check(self.max_turns > 0, f"{prefix}.max_turns", "must be positive")
 
 
 __all__ = ["RLConfig"]

@@ -220,14 +220,48 @@ def transcript_segments(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
     return segments
 
 
+def parse_transcript_reply(text: str) -> tuple[str | None, str, list[dict]]:
+    """An assistant turn of the plain transcript (:func:`transcript_segments`' body, without ``<EOT>``) read back:
+    (reasoning or None, content, OpenAI ``tool_calls``). A ``<tool_call>`` whose body is not a JSON object with
+    a ``name`` stays in the content, as the model wrote it."""
+    reasoning = None
+    if text.startswith(THINK_OPEN) and THINK_CLOSE in text:
+        reasoning, text = text[len(THINK_OPEN):].split(THINK_CLOSE, 1)
+    content, calls, rest = "", [], text
+    while TOOL_CALL_OPEN in rest:
+        before, after = rest.split(TOOL_CALL_OPEN, 1)
+        body, closed, rest = after.partition(TOOL_CALL_CLOSE)
+        try:
+            call = json.loads(body) if closed else None
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            content += before + TOOL_CALL_OPEN + body + closed
+            continue
+        content += before
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{len(calls)}", "type": "function",
+                      "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)}})
+    return reasoning, content + rest, calls
+
+
 def chat_prompt(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> list[int]:
     """Token ids of a chat prompt ending where the assistant's reply starts: the tokenizer's own chat
     format when it has one, else the plain transcript (module docstring). Serving prompts with this, and
     training renders conversations the same way."""
+    return render_chat(tokenizer, messages, tools, add_generation_prompt=True)
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, *,
+                add_generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat format (or the plain transcript), with or without
+    the generation prompt after it."""
     if has_chat_format(tokenizer):
-        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools))
+        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  tools=tools))
     ids: list[int] = []
-    for text, _ in transcript_segments(messages, tools, add_generation_prompt=True):
+    for text, _ in transcript_segments(messages, tools, add_generation_prompt=add_generation_prompt):
         ids.extend(tokenizer.encode(text))
     return ids
 
@@ -434,5 +468,6 @@ def scan_conversations(conversations, to_pieces: ConversationToPieces,
 
 __all__ = ["END_OF_TURN", "GENERATION_PROMPT", "NOT_TRAINED", "OUTCOMES", "ROLES", "ChatCounts", "Conversation",
            "ConversationToPieces", "Conversations", "chat_prompt", "conversation_example", "has_chat_format",
-           "open_conversations", "parse_conversation", "render_conversation", "reply_stop_ids", "scan_conversations",
+           "open_conversations", "parse_conversation", "parse_transcript_reply", "render_chat", "render_conversation",
+           "reply_stop_ids", "scan_conversations",
            "tool_call_arguments", "trained_tokens", "transcript_segments"]

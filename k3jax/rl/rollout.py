@@ -22,35 +22,42 @@ ROLLOUT_STREAM = 3
 
 @dataclasses.dataclass
 class Completion:
-    """One sampled completion of a prompt (token ids; ``logprobs`` and ``routes`` per completion token)."""
+    """One sampled completion of a prompt: the tokens after the prompt (the model's, and in a multi-turn
+    episode the tool turns between them, ``k3jax.rl.episodes``), which of them the model sampled (and
+    trains on), their log-probabilities under the sampling policy and every token's experts."""
 
     prompt: list[int]
-    tokens: list[int]  # the model's tokens, the stop token included when it stopped
-    finish: str  # "stop" or "length"
-    logprobs: np.ndarray  # [len(tokens)] float32: each token's log-probability under the sampling policy
+    tokens: list[int]  # after the prompt; the model's turns end with their stop token when they stopped
+    finish: str  # "stop", "length" (out of tokens), or "turns" (a multi-turn episode out of turns)
+    logprobs: np.ndarray  # [len(tokens)] float32: each sampled token's log-probability (0 for the others)
     routes: np.ndarray | None  # [len(prompt) + len(tokens), M, k] int32: each token's experts (as input)
+    trained: np.ndarray | None = None  # [len(tokens)] bool: sampled by the model (None: all of them)
+    reply: str | None = None  # the final reply's text for the rewards (None: the tokens up to the stop)
+    env_reward: float | None = None  # the environment's reward for the episode, when it gives one
 
     @property
     def truncated(self) -> bool:
         return self.finish == "length"
 
 
-def rollout_seed(seed: int, step: int, row: int) -> int:
-    """The sampling seed of row ``row`` of step ``step``'s rollout (32 bits; any run with the same
-    ``train.seed`` draws the same)."""
-    return int(np.random.SeedSequence([seed, ROLLOUT_STREAM, step, row]).generate_state(1)[0])
+def rollout_seed(seed: int, step: int, row: int, turn: int = 0) -> int:
+    """The sampling seed of row ``row`` of step ``step``'s rollout, in the episode's turn ``turn`` (32 bits; any
+    run with the same ``train.seed`` draws the same)."""
+    return int(np.random.SeedSequence([seed, ROLLOUT_STREAM, step, row, turn]).generate_state(1)[0])
 
 
-def sample(engine: Engine, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float,
-           top_p: float, stop_ids: tuple[int, ...], seeds: list[int]) -> list[Completion]:
+def sample(engine: Engine, prompts: list[list[int]], group_size: int, *, max_new_tokens: int | list[int],
+           temperature: float, top_p: float, stop_ids: tuple[int, ...], seeds: list[int]) -> list[Completion]:
     """``group_size`` completions of each prompt, rows grouped by prompt (row ``i * G + j``: prompt i's j-th),
-    sampled by ``engine`` (``record_routes``; not started) with one seed per row."""
+    sampled by ``engine`` (``record_routes``; not started) with one seed per row (and one token limit per row
+    when ``max_new_tokens`` is a list)."""
     rows = [p for p in prompts for _ in range(group_size)]
-    if len(seeds) != len(rows):
-        raise ValueError(f"{len(seeds)} seeds for {len(rows)} rows")
-    seqs = [Sequence(p, SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
+    if len(seeds) != len(rows) or len(limits) != len(rows):
+        raise ValueError(f"{len(seeds)} seeds and {len(limits)} token limits for {len(rows)} rows")
+    seqs = [Sequence(p, SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, seed=s,
                                        stop_ids=stop_ids), on_token=_ignore, on_finish=_ignore)
-            for p, s in zip(rows, seeds)]
+            for p, n, s in zip(rows, limits, seeds)]
     engine.run(seqs)
     out = []
     for seq in seqs:
@@ -71,7 +78,8 @@ def training_rows(completions: list[Completion], seq_len: int, top_k: int, num_m
 
     Returns numpy ``tokens, segment_ids, targets [B, T]`` int32, ``mask [B, T]`` float32 (1 where the
     target is a completion token), ``rollout_logp [B, T]`` float32 (the engine's, at those targets) and
-    ``routes [B, T, M, k]`` int32 (each input token's recorded experts; padding takes experts 0..k-1).
+    ``routes [B, T, M, k]`` int32 (each input token's recorded experts; padding takes experts 0..k-1). Only the
+    model's own tokens are trained (``Completion.trained``), never a prompt's or a tool turn's.
     """
     b = len(completions)
     tokens, segment_ids, targets = (np.zeros((b, seq_len), np.int32) for _ in range(3))
@@ -85,7 +93,7 @@ def training_rows(completions: list[Completion], seq_len: int, top_k: int, num_m
                              f"train.seq_len={seq_len}")
         tokens[i, :n], targets[i, :n], segment_ids[i, :n] = row[:-1], row[1:], 1
         first = len(c.prompt) - 1  # the input position whose target is the first completion token
-        mask[i, first:n] = 1.0
+        mask[i, first:n] = 1.0 if c.trained is None else c.trained
         rollout_logp[i, first:n] = c.logprobs
         if c.routes is not None and num_moe_layers:
             routes[i, :n] = c.routes[:n]

@@ -36,6 +36,8 @@ from k3jax.model import moe_layers
 from k3jax.optim import learning_rate_schedule
 from k3jax.rl import objectives
 from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
+from k3jax.rl.environments import load_environment
+from k3jax.rl.episodes import run_episodes
 from k3jax.rl.prompts import PromptIterator, open_prompts, prompt_ids, prompt_text
 from k3jax.rl.rewards import load_reward, score_rewards
 from k3jax.rl.rollout import rollout_seed, sample, training_rows
@@ -79,6 +81,7 @@ class Policy:
         self.rewards = {name: load_reward(name, answer_pattern=rl.answer_pattern, format_pattern=rl.format_pattern,
                                           answer_field=rl.answer_field) for name in rl.rewards}
         self.weights = dict(zip(rl.rewards, rl.reward_weights)) if rl.reward_weights else None
+        self.environment = load_environment(rl.environment) if rl.environment else None
 
     def reply(self, tokens: list[int]) -> str:
         """A completion's text: its tokens up to the first stop token."""
@@ -86,10 +89,29 @@ class Policy:
         return self.tokenizer.decode(tokens[:end])
 
     def score(self, records, completions):
-        """-> (total reward ``[N]``, {reward name: ``[N]``}) of completion i of ``records[i]``."""
-        return score_rewards(self.rewards, self.weights, [prompt_text(self.tokenizer, r) for r in records],
-                             [self.reply(c.tokens) for c in completions], [r.fields for r in records],
-                             [r.where for r in records])
+        """-> (total reward ``[N]``, {reward name: ``[N]``}) of completion i of ``records[i]``: the reward
+        functions on its (final) reply, plus an episode's environment reward (``environment``) when it gave one."""
+        total, per_fn = score_rewards(self.rewards, self.weights, [prompt_text(self.tokenizer, r) for r in records],
+                                      [c.reply if c.reply is not None else self.reply(c.tokens) for c in completions],
+                                      [r.fields for r in records], [r.where for r in records])
+        if self.environment is not None:
+            env = np.array([c.env_reward or 0.0 for c in completions])
+            total, per_fn = total + env, {**per_fn, "environment": env}
+        return total, per_fn
+
+    def rollout(self, engine: Engine, records, cfg: Config, *, group_size: int, temperature: float, seed):
+        """``group_size`` completions of each record (rows grouped by record): one reply each, or with an
+        environment a multi-turn episode each (``k3jax.rl.episodes``); ``seed(row, turn)``."""
+        rl = cfg.train.rl
+        if self.environment is None:
+            prompts = [prompt_ids(self.tokenizer, r) for r in records]
+            return sample(engine, prompts, group_size, max_new_tokens=rl.max_new_tokens, temperature=temperature,
+                          top_p=rl.top_p, stop_ids=self.stop_ids,
+                          seeds=[seed(i, 0) for i in range(len(records) * group_size)])
+        return run_episodes(engine, self.tokenizer, records, group_size, self.environment, max_turns=rl.max_turns,
+                            row_tokens=min(cfg.train.seq_len + 1, cfg.model.max_seq_len),
+                            max_new_tokens=rl.max_new_tokens, temperature=temperature, top_p=rl.top_p,
+                            stop_ids=self.stop_ids, seed=seed)
 
 
 def evaluate(engine: Engine, policy: Policy, prompts, cfg: Config) -> dict[str, float]:
@@ -97,9 +119,7 @@ def evaluate(engine: Engine, policy: Policy, prompts, cfg: Config) -> dict[str, 
     the mean of each reward function (``eval/<name>``) and of their weighted total (``eval/reward``)."""
     rl = cfg.train.rl
     records = [prompts[i] for i in range(min(rl.eval_prompts, len(prompts)))]
-    completions = sample(engine, [prompt_ids(policy.tokenizer, r) for r in records], 1,
-                         max_new_tokens=rl.max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=policy.stop_ids,
-                         seeds=[0] * len(records))
+    completions = policy.rollout(engine, records, cfg, group_size=1, temperature=0.0, seed=lambda row, turn: 0)
     total, per_fn = policy.score(records, completions)
     return {"eval/reward": float(np.mean(total)), **{f"eval/{k}": float(np.mean(v)) for k, v in per_fn.items()}}
 
@@ -109,7 +129,7 @@ def rollout_batch(cfg: Config, policy: Policy, records, completions, rewards: np
     metrics: rewards shaped by the overlong penalty, group advantages, dynamic sampling's kept groups."""
     rl, m = cfg.train.rl, cfg.model
     preset = objectives.LOSSES[rl.loss]
-    lengths = np.array([len(c.tokens) for c in completions])
+    lengths = np.array([len(c.tokens) if c.trained is None else int(np.sum(c.trained)) for c in completions])
     shaped = rewards.astype(np.float32)
     if rl.overlong_buffer:
         shaped = shaped + np.asarray(objectives.overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer,
@@ -212,10 +232,9 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 transfer_s = use_weights(state)
                 t0 = time.perf_counter()
                 records = next(iterator)
-                prompts = [prompt_ids(tokenizer, r) for r in records]
-                seeds = [rollout_seed(tc.seed, step, i) for i in range(rl.rows)]
-                completions = sample(engine, prompts, rl.group_size, max_new_tokens=rl.max_new_tokens,
-                                     temperature=rl.temperature, top_p=rl.top_p, stop_ids=policy.stop_ids, seeds=seeds)
+                completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
+                                             temperature=rl.temperature,
+                                             seed=lambda row, turn, step=step: rollout_seed(tc.seed, step, row, turn))
                 t1 = time.perf_counter()
                 group_records = [r for r in records for _ in range(rl.group_size)]
                 rewards, per_fn = policy.score(group_records, completions)
@@ -247,7 +266,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 metrics = jax.device_get(metrics)
                 t4 = time.perf_counter()
                 tokens = max(float(metrics["tokens"]), 1.0)
-                generated = sum(len(c.tokens) for c in completions)
+                generated = sum(int(np.sum(c.trained)) if c.trained is not None else len(c.tokens)
+                                for c in completions)
                 record.update({
                     "step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
                     "grad_norm": float(metrics["grad_norm"]),

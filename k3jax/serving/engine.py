@@ -110,6 +110,32 @@ def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Arra
     return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
+def decode_program(graphdef, *, record_routes: bool = False):
+    """The engine's decode step as a function of its arrays (the engine jits it per row count; ``python -m
+    k3jax.aot --mode rl`` compiles it for a TPU slice): ``decode(rows, state, pool, logits, keys, temperature,
+    top_p, active, wants)`` runs one step of the pool's first ``rows`` rows (static). ``state``: the model's
+    ``nnx.state`` (``graphdef``'s); ``pool``: the cache; ``logits [B, V]`` each row's last logits; ``keys [B]``
+    its sampling keys; ``temperature``, ``top_p``, ``active``, ``wants`` per row. -> (tokens ``[rows]``, their
+    log-probabilities (token_logprobs: ``[rows]``, ``[rows, K]`` x 2; computed when an active row ``wants``
+    them), what a recording engine keeps (``record_routes``: the sampled log-probabilities ``[rows]`` and routes
+    ``[rows, M, k]``; else zeros and ``[rows, 0, 0]``), the new logits, the new keys, the updated pool)."""
+    record = record_routes
+
+    def decode(rows, state, pool, logits, keys, temperature, top_p, active, wants):
+        pairs = jax.vmap(jax.random.split)(keys[:rows])  # [rows, 2]
+        tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
+        tokens = jnp.where(active[:rows], tokens, 0)
+        scored = token_logprobs(logits[:rows], tokens, MAX_LOGPROBS, jnp.any(wants[:rows] & active[:rows]))
+        out, sub, stats = nnx.merge(graphdef, state).forward(tokens[:, None], cache=first_rows(pool, rows),
+                                                             token_valid=active[:rows, None], record_routes=record)
+        rollout = (sampled_logprobs(logits[:rows], tokens, temperature[:rows]) if record
+                   else jnp.zeros((rows,), jnp.float32), _routes(stats, (rows, 1))[:, 0])
+        return (tokens, scored, rollout, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
+                put_first_rows(pool, sub))
+
+    return decode
+
+
 class QueueFull(RuntimeError):
     """Every cache row is busy and the waiting queue is full."""
 
@@ -280,20 +306,7 @@ class Engine:
         def realign(pool, shift):
             return shift_slots(pool, shift)
 
-        def decode(rows, state, pool, logits, keys, temperature, top_p, active, wants):
-            """A step of the pool's first ``rows`` rows (static); -> tokens [rows], their log-probabilities
-            (token_logprobs: [rows], [rows, K] x 2; computed when an active row ``wants`` them) and the
-            updated pool rows."""
-            pairs = jax.vmap(jax.random.split)(keys[:rows])  # [rows, 2]
-            tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
-            tokens = jnp.where(active[:rows], tokens, 0)
-            scored = token_logprobs(logits[:rows], tokens, MAX_LOGPROBS, jnp.any(wants[:rows] & active[:rows]))
-            out, sub, stats = nnx.merge(graphdef, state).forward(tokens[:, None], cache=first_rows(pool, rows),
-                                                                 token_valid=active[:rows, None], record_routes=record)
-            rollout = (sampled_logprobs(logits[:rows], tokens, temperature[:rows]) if record
-                       else jnp.zeros((rows,), jnp.float32), _routes(stats, (rows, 1))[:, 0])
-            return (tokens, scored, rollout, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
-                    put_first_rows(pool, sub))
+        decode = decode_program(graphdef, record_routes=record)
 
         sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
         if self.mesh is None:
