@@ -387,3 +387,18 @@ def test_prompt_iterator_over_prompt_set(tmp_path):
     assert it.get_state() == {"seed": 0, "num_prompts": 5, "epoch": 1, "position": 2}
     with pytest.raises(ValueError, match="batch_size"):
         PromptIterator(ps, 0)
+
+
+def test_prompt_pattern_keeps_matching_prompts_in_both_splits():
+    """``train.rl.prompt_pattern``: the prompts whose last message the regex finds, taken after the split, so the
+    held-out ones stay the chat fine-tune's held-out conversations."""
+    pattern = r"^How many chapters"
+    splits = {s: open_prompts("bundled", split=s, eval_fraction=0.1, pattern=pattern) for s in ("train", "eval")}
+    every = {s: open_prompts("bundled", split=s, eval_fraction=0.1) for s in ("train", "eval")}
+    for s, kept in splits.items():
+        assert 0 < len(kept) < len(every[s])
+        assert set(kept.indices) <= set(every[s].indices)
+        assert all(kept[i].messages[-1]["content"].startswith("How many chapters") for i in range(len(kept)))
+        assert len(kept) == sum(every[s][i].messages[-1]["content"].startswith("How many chapters")
+                                for i in range(len(every[s])))
+    assert not set(splits["train"].indices) & set(splits["eval"].indices)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from k3jax.config.fields import check, runtime
@@ -18,6 +19,8 @@ class RLConfig:
     # prompt records (JSONL / parquet / ArrayRecord with `prompt` or chat `messages` and the fields the rewards
     # read), or `bundled`: the bundled chat set's questions with their answers (k3jax/rl/prompts.py)
     prompts: str = "bundled"
+    # keep only the prompts whose last message (or text) this regex is found in (both splits); None: all
+    prompt_pattern: str | None = None
     eval_fraction: float = 0.1  # held-out prompts (the chat fine-tune's held-out conversations for `bundled`)
     group_size: int = 4  # G completions per prompt
     prompts_per_step: int = 4  # P prompts per step: the step's batch is P x G rows (train.batch_size)
@@ -85,6 +88,11 @@ class RLConfig:
               f"one weight per reward function ({len(self.rewards)}), or none")
         check(self.eval_every >= 0, f"{prefix}.eval_every", "must be >= 0")
         check(self.max_turns > 0, f"{prefix}.max_turns", "must be positive")
+        if self.prompt_pattern is not None:
+            try:
+                re.compile(self.prompt_pattern)
+            except re.error as e:
+                check(False, f"{prefix}.prompt_pattern", f"{self.prompt_pattern!r} is not a regular expression ({e})")
 
 
 __all__ = ["RLConfig"]

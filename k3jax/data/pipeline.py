@@ -73,7 +73,7 @@ _READ_THREADS = 0
 _READ_PREFETCH = 0
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.uint64)
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -85,7 +85,7 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def document_hash(indices: np.ndarray) -> np.ndarray:
     """A fixed uniform value in [0, 1) for each document index (splitmix64; not seed-dependent, so
     the eval split stays the same across runs and seeds)."""
-    return (_splitmix64(np.asarray(indices)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return (splitmix64(np.asarray(indices)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def split_indices(num_documents: int, eval_fraction: float, split: Literal["train", "eval"]) -> np.ndarray:

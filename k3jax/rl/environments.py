@@ -30,13 +30,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import importlib
 import inspect
 import json
 import math
 import operator
 from typing import Any, Callable, Protocol
 
+from k3jax.config.callables import import_callable
 from k3jax.config.fields import ConfigError
 
 FIELD = "train.rl.environment"  # the config field errors name
@@ -217,27 +217,6 @@ class Calculator(ToolEnvironment):
 BUILTINS = {"calculator": "k3jax.rl.environments:Calculator", "python": "k3jax.rl.sandbox:PythonSandbox"}
 
 
-def _resolve(name: str, target: str) -> Any:
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{FIELD}: {name!r}: expected 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ConfigError(f"{FIELD}: {name!r}: no module named {e.name!r}") from e
-        raise ConfigError(f"{FIELD}: {name!r}: importing {module_name!r} failed: {e}") from e
-    except Exception as e:  # its own import error, a syntax error, ...
-        raise ConfigError(f"{FIELD}: {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{FIELD}: {name!r}: {getattr(obj, '__name__', module_name)!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{FIELD}: {name!r} is a {type(obj).__name__}, not a function")
-    return obj
-
-
 def _check_signature(name: str, fn: Callable, *args, **options) -> None:
     try:
         signature = inspect.signature(fn)
@@ -258,7 +237,7 @@ def load_environment(name: str, **options) -> EnvFactory:
         raise ConfigError(f"{FIELD}: an environment name must be a non-empty string, got {name!r}")
     name = name.strip()
     if name in BUILTINS:
-        cls = _resolve(name, BUILTINS[name])
+        cls = import_callable(BUILTINS[name], FIELD)
         _check_signature(name, cls, **options)
         try:
             cls(**options).close()
@@ -266,7 +245,7 @@ def load_environment(name: str, **options) -> EnvFactory:
             raise ConfigError(f"{FIELD}: {name!r}: {e}") from None
         return lambda record: cls(**options)
     if ":" in name:
-        fn = _resolve(name, name)
+        fn = import_callable(name, FIELD)
         _check_signature(name, fn, {}, **options)
         return lambda record: fn(record, **options)
     close = difflib.get_close_matches(name, BUILTINS, n=2, cutoff=0.6)

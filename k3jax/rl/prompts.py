@@ -26,12 +26,13 @@ held-out prompts are exactly the held-out conversations of a chat fine-tune on t
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from k3jax.data.chat import chat_prompt, parse_conversation
-from k3jax.data.pipeline import split_indices
+from k3jax.data.pipeline import splitmix64, split_indices
 from k3jax.data.sources import BadRecordError, bundled_chat_path, open_records
 
 PROMPT_KEYS = ("prompt", "messages", "tools")  # not passed to the rewards as fields
@@ -134,14 +135,17 @@ class PromptSet:
         return f"PromptSet({self.name!r}, {len(self)} prompts)"
 
 
-def open_prompts(source: str, *, split: str = "train", eval_fraction: float = 0.1, check: bool = True) -> PromptSet:
+def open_prompts(source: str, *, split: str = "train", eval_fraction: float = 0.1, check: bool = True,
+                 pattern: str | None = None) -> PromptSet:
     """The prompts of ``split`` (``"train"`` / ``"eval"``) of ``source``: ``"bundled"`` or a file, directory
     or glob of JSONL / parquet / ArrayRecord prompt records (module docstring).
 
     The split is ``k3jax.data.pipeline.split_indices(len(records), eval_fraction, split)`` over the record
     indices (the chat fine-tune's rule); for ``"bundled"`` the conversations that make no prompt are
     dropped after splitting. ``check``: validate every prompt of the split now (a bad record raises
-    ``BadRecordError`` here rather than mid-run; one record held at a time)."""
+    ``BadRecordError`` here rather than mid-run; one record held at a time). ``pattern``: keep only the prompts
+    whose last message (or text) a regex search finds it in (``train.rl.prompt_pattern``; after splitting, so
+    the held-out prompts stay held out)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0 <= eval_fraction < 1:
@@ -154,12 +158,24 @@ def open_prompts(source: str, *, split: str = "train", eval_fraction: float = 0.
         indices = np.asarray([i for i in indices if _bundled_prompt(records[int(i)], records.where(int(i)))],
                              np.int64)
     prompts = PromptSet(records, indices, convert, source)
+    if pattern is not None:
+        found = re.compile(pattern).search
+        prompts.indices = np.asarray([prompts.indices[i] for i in range(len(prompts)) if found(_last_text(prompts[i]))],
+                                     np.int64)
     if len(prompts) == 0:
         raise ValueError(f"the {split} split of the prompts {source!r} is empty ({len(records)} records, "
                          f"eval_fraction={eval_fraction})")
     if check and not bundled:
         prompts.check()
     return prompts
+
+
+def _last_text(record: PromptRecord) -> str:
+    """What ``open_prompts``' pattern is matched against: the text prompt, or the last message's text."""
+    if record.text is not None:
+        return record.text
+    content = record.messages[-1].get("content") or ""
+    return content if isinstance(content, str) else " ".join(part.get("text", "") for part in content)
 
 
 def prompt_ids(tokenizer, record: PromptRecord) -> list[int]:
@@ -185,22 +201,13 @@ def prompt_text(tokenizer, record: PromptRecord) -> str:
 _MASK = (1 << 64) - 1
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The order of the ``n`` prompts in ``epoch`` (int64[n]): a sort by a splitmix64 hash of each index
     salted with (seed, epoch). Pure integer arithmetic, so it is the same on every machine and numpy
     version (a resumed run gets the same order)."""
-    salt = _splitmix64(np.asarray([(seed & _MASK)], np.uint64))[0]
-    salt = _splitmix64(np.asarray([salt ^ np.uint64(epoch & _MASK)], np.uint64))[0]
-    keys = _splitmix64(np.arange(n, dtype=np.uint64) ^ salt)  # distinct: splitmix64 is a bijection
+    salt = splitmix64(np.asarray([(seed & _MASK)], np.uint64))[0]
+    salt = splitmix64(np.asarray([salt ^ np.uint64(epoch & _MASK)], np.uint64))[0]
+    keys = splitmix64(np.arange(n, dtype=np.uint64) ^ salt)  # distinct: splitmix64 is a bijection
     return np.argsort(keys, kind="stable").astype(np.int64)
 
 

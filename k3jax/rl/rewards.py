@@ -47,7 +47,6 @@ from __future__ import annotations
 import decimal
 import difflib
 import functools
-import importlib
 import math
 import numbers
 import re
@@ -56,6 +55,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from k3jax.config.callables import import_callable
 from k3jax.config.fields import ConfigError
 
 RewardFn = Callable[..., Sequence[float]]
@@ -241,33 +241,6 @@ def _compile(pattern: str, name: str, option: str, flags: int = 0) -> None:
                           f"expression ({e})") from None
 
 
-def _import_reward(name: str) -> RewardFn:
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{FIELD}: {name!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ConfigError(f"{FIELD}: {name!r}: no module named {e.name!r} (is its package installed, or its "
-                              "directory on PYTHONPATH?)") from e
-        raise ConfigError(f"{FIELD}: {name!r}: importing {module_name!r} failed: {e}") from e
-    except Exception as e:  # its own import error, a syntax error, ...
-        raise ConfigError(f"{FIELD}: {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            options = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
-            close = difflib.get_close_matches(part, options, n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ConfigError(f"{FIELD}: {name!r}: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                              f"{part!r}{hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{FIELD}: {name!r} is a {type(obj).__name__}, not a function")
-    return obj
-
-
 def load_reward(name: str, *, answer_pattern: str | None = None, format_pattern: str | None = None,
                 answer_field: str = "answer") -> RewardFn:
     """The reward function ``name``: a built-in (:data:`BUILTINS`, configured by the keyword options) or
@@ -292,7 +265,7 @@ def load_reward(name: str, *, answer_pattern: str | None = None, format_pattern:
     if name == "math":
         return math_reward(answer_field)
     if ":" in name:
-        return _import_reward(name)
+        return import_callable(name, FIELD)
     close = difflib.get_close_matches(name, BUILTINS, n=2, cutoff=0.6)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     raise ConfigError(f"{FIELD}: unknown reward {name!r}{hint}; a built-in ({', '.join(BUILTINS)}) or "

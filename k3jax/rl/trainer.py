@@ -49,9 +49,7 @@ from k3jax.tokenizer import load_tokenizer
 from k3jax.training import checkpoint
 from k3jax.training.run_lock import lock_run_dir
 from k3jax.training.run_log import RunLog, plot_losses
-from k3jax.training.step import init_train_state
-from k3jax.training.trainer import (_abstract_on, _placed, _Saver, _StopRequest, check_schedule, clear_run_dir,
-                                    init_weights_from)
+from k3jax.training.trainer import _placed, _Saver, _StopRequest, clear_run_dir, start_state
 
 
 class PromptState:
@@ -175,29 +173,14 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     tc, rl = cfg.train, cfg.train.rl
     tokenizer = load_tokenizer(tc.data.tokenizer)
     policy = Policy(cfg, tokenizer)
-    train_prompts = open_prompts(rl.prompts, split="train", eval_fraction=rl.eval_fraction)
-    eval_prompts = open_prompts(rl.prompts, split="eval", eval_fraction=rl.eval_fraction) if rl.eval_fraction else None
+    train_prompts = open_prompts(rl.prompts, split="train", eval_fraction=rl.eval_fraction, pattern=rl.prompt_pattern)
+    eval_prompts = (open_prompts(rl.prompts, split="eval", eval_fraction=rl.eval_fraction, pattern=rl.prompt_pattern)
+                    if rl.eval_fraction else None)
     iterator = PromptIterator(train_prompts, rl.prompts_per_step, seed=tc.seed)
     position = PromptState(iterator)
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
                               item_names=checkpoint.train_items(cfg))
-    base = None
-    if mngr.latest_step() is not None:
-        ts = _abstract_on(cfg, mesh)
-        start = checkpoint.restore_train_state(mngr, cfg, ts, position)
-        if tc.lora.enabled:
-            base = checkpoint.restore_base(mngr, start)
-            checkpoint.load_base(ts.model, base, mesh)
-        note = check_schedule(checkpoint.restore_config(out / "checkpoints", step=start)[0], cfg, start,
-                              reschedule=reschedule)
-        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}" + (f"; {note}" if note else ""))
-    else:
-        ts, start = init_train_state(cfg, mesh), 0
-        if tc.init_from:
-            base = init_weights_from(ts.model, tc.init_from, mesh)
-            tqdm.write(f"initialised the model from {tc.init_from}")
-        elif tc.lora.enabled:
-            base = checkpoint.resolve_base(None, tc.seed)
+    ts, start, base = start_state(cfg, mesh, mngr, out / "checkpoints", position, reschedule=reschedule)
     storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     state = _placed(state, mesh)

@@ -289,6 +289,33 @@ def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_
     return _placed(nnx.split(ts)[1], mesh), latest
 
 
+def start_state(cfg: Config, mesh, mngr, checkpoints, data_iter, *, reschedule: bool):
+    """The run's ``TrainState`` on ``mesh``, the step it starts at and, for a LoRA run, its base
+    (``checkpoint.resolve_base``): restored from the latest checkpoint of ``mngr`` (the run's directory
+    ``checkpoints``; with ``data_iter``'s
+    position; :func:`check_schedule` on a changed ``train.steps``), else freshly initialised (from
+    ``train.init_from`` when set)."""
+    tc = cfg.train
+    base = None  # a LoRA run: where its frozen weights come from (checkpoint.resolve_base)
+    if mngr.latest_step() is not None:
+        # Restored straight into the state's shardings: no init program, no second copy of the weights.
+        ts = _abstract_on(cfg, mesh)
+        start = checkpoint.restore_train_state(mngr, cfg, ts, data_iter)
+        if tc.lora.enabled:  # the checkpoint holds the adapters: the frozen weights come from its base
+            base = checkpoint.restore_base(mngr, start)
+            checkpoint.load_base(ts.model, base, mesh)
+        note = check_schedule(checkpoint.restore_config(checkpoints, step=start)[0], cfg, start, reschedule=reschedule)
+        tqdm.write(f"resumed from {checkpoints} at step {start}" + (f"; {note}" if note else ""))
+    else:
+        ts, start = init_train_state(cfg, mesh), 0
+        if tc.init_from:
+            base = init_weights_from(ts.model, tc.init_from, mesh)
+            tqdm.write(f"initialised the model from {tc.init_from}")
+        elif tc.lora.enabled:
+            base = checkpoint.resolve_base(None, tc.seed)
+    return ts, start, base
+
+
 class _Saver:
     """Saves of the training state through one checkpoint manager; a failed save (raised by orbax when
     it is made, or, asynchronous, when the next one starts or the run waits for it) becomes a
@@ -338,24 +365,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     skipped_records = getattr(dataset, "bad_records", None)  # train.data.bad_records=skip: counts the skipped
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
                               item_names=checkpoint.train_items(cfg))
-    base = None  # a LoRA run: where its frozen weights come from (checkpoint.resolve_base)
-    if mngr.latest_step() is not None:
-        # Restored straight into the state's shardings: no init program, no second copy of the weights.
-        ts = _abstract_on(cfg, mesh)
-        start = checkpoint.restore_train_state(mngr, cfg, ts, train_iter)
-        if tc.lora.enabled:  # the checkpoint holds the adapters: the frozen weights come from its base
-            base = checkpoint.restore_base(mngr, start)
-            checkpoint.load_base(ts.model, base, mesh)
-        note = check_schedule(checkpoint.restore_config(out / "checkpoints", step=start)[0], cfg, start,
-                              reschedule=reschedule)
-        tqdm.write(f"resumed from {out / 'checkpoints'} at step {start}" + (f"; {note}" if note else ""))
-    else:
-        ts, start = init_train_state(cfg, mesh), 0
-        if tc.init_from:
-            base = init_weights_from(ts.model, tc.init_from, mesh)
-            tqdm.write(f"initialised the model from {tc.init_from}")
-        elif tc.lora.enabled:
-            base = checkpoint.resolve_base(None, tc.seed)
+    ts, start, base = start_state(cfg, mesh, mngr, out / "checkpoints", train_iter, reschedule=reschedule)
     if main_process:
         storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
@@ -490,4 +500,4 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
 
 
 __all__ = ["DivergenceError", "STOP_SIGNALS", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from",
-           "train"]
+           "start_state", "train"]
