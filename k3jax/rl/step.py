@@ -26,7 +26,9 @@ from k3jax.rl.objectives import LOSSES, per_token_loss
 from k3jax.training.step import make_step
 
 # The per-token quantities the step sums over the trained tokens (the loop divides by ``tokens``).
-TOKEN_SUMS = ("clipped_low", "clipped_high", "kl", "ratio", "tis_weight", "tis_truncated", "entropy")
+# ``objectives.per_token_loss``'s per-token metrics, and the policy's entropy.
+POLICY_METRICS = ("clipped_low", "clipped_high", "kl", "ratio", "tis_weight", "tis_truncated")
+TOKEN_SUMS = (*POLICY_METRICS, "entropy")
 
 
 def policy_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +90,7 @@ def make_rl_step(graphdef, cfg: Config, *, state_shardings=None):
                                              **settings)
             mask = mb["mask"].astype(jnp.float32)
             total = jnp.sum(loss * mb["weights"])
-            sums = {name: jnp.sum(per_token[name].astype(jnp.float32) * mask) for name in TOKEN_SUMS[:-1]}
+            sums = {name: jnp.sum(per_token[name].astype(jnp.float32) * mask) for name in POLICY_METRICS}
             sums["entropy"] = jnp.sum(entropy * mask)
         return total, jnp.sum(mask), total, stats, sums
 
