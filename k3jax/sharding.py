@@ -41,7 +41,44 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.cache import KDACache, MLACache, ModelCache
 from k3jax.config import MeshConfig
-from k3jax.parallel.context import current_mesh, split_axes
+
+# ------------------------------------------------------------------ the mesh a program runs under
+# Layers ask current_mesh at trace time; the shard_map regions of k3jax.parallel split each dimension
+# over the axes that divide it (odd batch sizes, one decode token, are replicated over the rest).
+
+
+def current_mesh() -> jax.sharding.AbstractMesh | None:
+    """The abstract mesh of the enclosing ``jax.set_mesh`` with more than one device, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    if any(t == AxisType.Manual for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def axis_size(mesh, name: str) -> int:
+    """Size of mesh axis ``name`` (1 when the mesh lacks it or there is no mesh)."""
+    return 1 if mesh is None else dict(mesh.shape).get(name, 1)
+
+
+def split_axes(mesh, candidates, size: int) -> tuple[str, ...]:
+    """The candidate axes (in order, sizes > 1) whose running product divides ``size``."""
+    chosen, product = [], 1
+    for name in candidates:
+        n = axis_size(mesh, name)
+        if n > 1 and size % (product * n) == 0:
+            chosen.append(name)
+            product *= n
+    return tuple(chosen)
+
+
+def spec_entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a dimension split over ``axes`` (None when unsplit)."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
 
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 

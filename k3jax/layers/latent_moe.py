@@ -19,7 +19,7 @@ from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.moe import combine_experts, sigmoid_topk_route
 from k3jax.ops.saved_names import EXPERT_SUMS
-from k3jax.parallel.context import current_mesh
+from k3jax.sharding import current_mesh
 from k3jax.parallel import sequence as seq_parallel
 from k3jax.parallel.expert import expert_parallel_experts
 from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight

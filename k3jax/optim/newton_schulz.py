@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from k3jax.parallel.context import spec_entry
-from k3jax.sharding import expert_mesh_axes
+from k3jax.sharding import expert_mesh_axes, spec_entry
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic iteration's (a, b, c), as Muon / Moonlight / K2
 

@@ -44,8 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, chunked_attention, chunked_attention_with_lse
-from k3jax.parallel.context import axis_size, current_mesh
-from k3jax.sharding import logical_to_spec, spec_axes
+from k3jax.sharding import axis_size, current_mesh, logical_to_spec, spec_axes
 
 Split = Literal["keys", "queries"]
 

@@ -54,8 +54,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import kernels
 from k3jax.ops.moe import combine_experts, sum_weighted_pairs
-from k3jax.parallel.context import axis_size, current_mesh, spec_entry
-from k3jax.sharding import expert_mesh_axes, logical_to_spec, spec_axes, token_mesh_axes
+from k3jax.sharding import (axis_size, current_mesh, expert_mesh_axes, logical_to_spec, spec_axes, spec_entry,
+                            token_mesh_axes)
 from pallas_kernels.platform import ACCELERATORS, target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")

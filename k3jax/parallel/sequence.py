@@ -47,8 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import conv as conv_ops
 from k3jax.ops import kda as kda_ops
-from k3jax.parallel.context import axis_size, current_mesh
-from k3jax.sharding import logical_to_spec, spec_axes
+from k3jax.sharding import axis_size, current_mesh, logical_to_spec, spec_axes
 
 # The KDA state fold runs in full float32 precision, like chunk_kda's own matmuls.
 _PRECISION = jax.lax.Precision.HIGHEST
