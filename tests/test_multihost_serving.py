@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from cpu_devices import free_port, subprocess_env, xla_flags
-from k3jax.serving.engine import SamplingParams, Sequence
+from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.schedule import (CANCEL_REASONS, FAILED_EXIT_CODE, LocalScheduler, Schedule, decode, encode,
                                     mirror_sequence, payload_size)
 

@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from k3jax.serving.engine import Engine, SamplingParams, Sequence
+from k3jax.serving.engine import Engine
+from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.server import add_arguments, engine_options
 from test_serving import small_model

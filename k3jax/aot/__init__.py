@@ -29,7 +29,7 @@ are lowered from ``ShapeDtypeStruct`` arguments that carry the rule-derived shar
   chunk is this program; the last one attends over the whole context).
 - ``rl``: reinforcement learning's two programs on one mesh and one set of weight arrays (``k3jax.rl.trainer``),
   for ``train.rl.prompts_per_step x group_size`` rows of ``seq_len`` tokens (prompt + completion): the
-  rollout, the serving engine's decode step (``k3jax.serving.engine.decode_program``: routes and sampled
+  rollout, the serving engine's decode step (``k3jax.serving.programs.decode_program``: routes and sampled
   log-probabilities recorded) of every row against the engine's pool of ``seq_len + 1`` slots, on the train
   state's weights (a LoRA config's adapters with its frozen base); and the update, ``k3jax.rl.step.make_rl_step``
   on ``[rows, seq_len]`` rows with the rollout's experts replayed. Each is compiled under the HBM budget

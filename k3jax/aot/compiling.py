@@ -32,7 +32,7 @@ and the optimizer; the Newton-Schulz part of it is counted analytically and show
 
 Reinforcement learning (``rl`` jobs, :func:`compile_rl`): rollouts and updates run on one mesh with one set
 of weight arrays (``k3jax.rl.trainer``), so two programs are compiled from one abstract train state and its
-shardings: the **rollout**, the serving engine's own decode step (``k3jax.serving.engine.decode_program``,
+shardings: the **rollout**, the serving engine's own decode step (``k3jax.serving.programs.decode_program``,
 recording routes and sampled log-probabilities) of every row (``train.rl.prompts_per_step x group_size``)
 against the engine's pool of ``seq_len + 1`` slots, reading the train state's model arrays as they are
 (LoRA: the adapters with the frozen base); and the **update**, ``k3jax.rl.step.make_rl_step`` on the rows
@@ -70,7 +70,7 @@ from k3jax.config import Config, ModelConfig, VisionConfig
 from k3jax.data.images import IMAGE_KEY_PREFIX
 from k3jax.model import K3Model, abstract_model, moe_layers
 from k3jax.rl.step import make_rl_step, replays
-from k3jax.serving.engine import decode_program
+from k3jax.serving.programs import decode_program
 from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
                             batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding,
                             state_shardings)

@@ -23,7 +23,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from k3jax.serving.engine import Engine, SamplingParams, Sequence
+from k3jax.serving.engine import Engine
+from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.text import TextStream
 
 DEFAULT_BATCH_SIZE = 8

@@ -14,7 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from k3jax.serving.engine import Engine, SamplingParams, Sequence
+from k3jax.serving.engine import Engine
+from k3jax.serving.request import SamplingParams, Sequence
 
 # The random stream of the rollouts' sampling seeds (folded with train.seed, the step and the row).
 ROLLOUT_STREAM = 3

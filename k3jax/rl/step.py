@@ -34,7 +34,7 @@ TOKEN_SUMS = (*POLICY_METRICS, "entropy")
 def policy_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
     """logits ``[B, T, V]``, targets ``[B, T]`` -> (the targets' log-probabilities under
     ``softmax(logits / temperature)``, that distribution's entropy), both ``[B, T]`` float32: the policy
-    the rollout sampled from (``serving.engine.sampled_logprobs``)."""
+    the rollout sampled from (``serving.programs.sampled_logprobs``)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     own = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)

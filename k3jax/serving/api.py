@@ -60,9 +60,10 @@ from starlette.requests import ClientDisconnect
 
 from k3jax.data.chat import reply_stop_ids
 from k3jax.serving.assistant_reply import forced_prefix, parse_reply, reply_stream
-from k3jax.serving.engine import Engine, QueueFull, SamplingParams, Sequence
+from k3jax.serving.engine import Engine, QueueFull
 from k3jax.serving.logprob_fields import CompletionLogprobs, chat_content
 from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
+from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.text import TextStream, chat_prompt
 
 RETRY_AFTER_S = 1

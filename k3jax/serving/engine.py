@@ -50,8 +50,9 @@ the cache. Blocks are copied, not shared: a pool row is one contiguous run of sl
 (``shift_slots``), not a table of blocks. They stay on the device (a hit costs copies there, no
 transfer); the token budget bounds them, least recently used leaves evicted first.
 
-All device programs have fixed shapes (pool, chunk, row index and shifts are traced), so each
-compiles once (in ``warmup``), whatever requests come and go.
+The device programs (``k3jax.serving.programs``) have fixed shapes (pool, chunk, row index and shifts
+are traced), so each compiles once (in ``warmup``), whatever requests come and go. A request is a
+``k3jax.serving.request.Sequence``; the prefill's pieces are planned by ``k3jax.serving.prefill``.
 
 Several hosts: the loop takes its input, each iteration, from a scheduler
 (``k3jax.serving.schedule``): the requests submitted and cancelled since the last one. In one process
@@ -64,150 +65,35 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import functools
 import itertools
 import logging
 import os
 import threading
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax.cache import (cache_bytes, first_rows, init_cache, keep_rows, pack_row, put_first_rows, read_block,
-                         shift_slots, write_block, write_row)
+from k3jax.cache import cache_bytes
 from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
-from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, token_logprobs
+from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, read_logprobs
 from k3jax.serving.metrics import Metrics
+from k3jax.serving.prefill import Prefill, piece_widths, plan_pieces
 from k3jax.serving.prefix_cache import PrefixCache
+from k3jax.serving.programs import Programs
+from k3jax.serving.request import Sequence
 from k3jax.serving.schedule import LocalScheduler, Schedule, make_scheduler, state_digest
-from k3jax.serving.sampling import sample_rows
-from k3jax.sharding import cache_shardings, use_mesh
+from k3jax.sharding import use_mesh
 from pallas_kernels.platform import target_platform
 
 log = logging.getLogger(__name__)
 
 
-def _routes(stats, shape) -> jax.Array:
-    """The forward's recorded routes ``[*shape, M, k]`` (``ForwardStats.routes``), or an empty ``[*shape, 0, 0]``
-    when it recorded none: every program returns an array there, so its outputs have one structure."""
-    return stats.routes if stats.routes is not None else jnp.zeros((*shape, 0, 0), jnp.int32)
-
-
-def sampled_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
-    """The log-probability ``[R]`` of each row's sampled token under the distribution it was sampled from:
-    ``log_softmax(logits / temperature)`` (logits ``[R, V]``, tokens ``[R]``, temperature ``[R]``; greedy rows,
-    temperature 0, at the raw logits). Top-p is not applied: it truncates the sampler, not the policy the
-    trainer recomputes."""
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
-
-
-def decode_program(graphdef, *, record_routes: bool = False):
-    """The engine's decode step as a function of its arrays (the engine jits it per row count; ``python -m
-    k3jax.aot --mode rl`` compiles it for a TPU slice): ``decode(rows, state, pool, logits, keys, temperature,
-    top_p, active, wants)`` runs one step of the pool's first ``rows`` rows (static). ``state``: the model's
-    ``nnx.state`` (``graphdef``'s); ``pool``: the cache; ``logits [B, V]`` each row's last logits; ``keys [B]``
-    its sampling keys; ``temperature``, ``top_p``, ``active``, ``wants`` per row. -> (tokens ``[rows]``, their
-    log-probabilities (token_logprobs: ``[rows]``, ``[rows, K]`` x 2; computed when an active row ``wants``
-    them), what a recording engine keeps (``record_routes``: the sampled log-probabilities ``[rows]`` and routes
-    ``[rows, M, k]``; else zeros and ``[rows, 0, 0]``), the new logits, the new keys, the updated pool)."""
-    record = record_routes
-
-    def decode(rows, state, pool, logits, keys, temperature, top_p, active, wants):
-        pairs = jax.vmap(jax.random.split)(keys[:rows])  # [rows, 2]
-        tokens = sample_rows(logits[:rows], pairs[:, 1], temperature[:rows], top_p[:rows])
-        tokens = jnp.where(active[:rows], tokens, 0)
-        scored = token_logprobs(logits[:rows], tokens, MAX_LOGPROBS, jnp.any(wants[:rows] & active[:rows]))
-        out, sub, stats = nnx.merge(graphdef, state).forward(tokens[:, None], cache=first_rows(pool, rows),
-                                                             token_valid=active[:rows, None], record_routes=record)
-        rollout = (sampled_logprobs(logits[:rows], tokens, temperature[:rows]) if record
-                   else jnp.zeros((rows,), jnp.float32), _routes(stats, (rows, 1))[:, 0])
-        return (tokens, scored, rollout, logits.at[:rows].set(out[:, -1]), keys.at[:rows].set(pairs[:, 0]),
-                put_first_rows(pool, sub))
-
-    return decode
-
-
 class QueueFull(RuntimeError):
     """Every cache row is busy and the waiting queue is full."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None  # None: a fresh seed per request
-    stop_ids: tuple[int, ...] = ()  # generation ends after one of these (not passed to on_token)
-    logprobs: int | None = None  # log-probabilities of each token and this many alternatives; None: none
-    prompt_logprobs: bool = False  # the prompt's too (its first token has none); max_tokens may then be 0
-
-
-def _logprobs_of(own, top, ids, k: int) -> TokenLogprobs:
-    """A token's log-probability and its position's first ``k`` alternatives, from host arrays
-    (own: a scalar, top / ids: ``[MAX_LOGPROBS]``)."""
-    return TokenLogprobs(float(own), tuple(int(i) for i in ids[:k]), tuple(float(v) for v in top[:k]))
-
-
-class Sequence:
-    """One request inside the engine. ``on_token(id, logprobs)`` (a ``TokenLogprobs`` when
-    ``params.logprobs`` is set, else None) and ``on_finish(reason)`` are called from the engine
-    thread; ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error``. With
-    ``params.prompt_logprobs``, ``prompt_logprobs`` (one entry per prompt token, the first None) is
-    set before the first of these calls."""
-
-    def __init__(self, prompt, params: SamplingParams, on_token: Callable[[int, TokenLogprobs | None], None],
-                 on_finish: Callable[[str], None]):
-        self.id = -1  # set by Engine.submit: the request's number in the schedule
-        self.seed = params.seed  # Engine.submit draws one when None
-        self.prompt = [int(t) for t in prompt]
-        self.params = params
-        self.on_token, self.on_finish = on_token, on_finish
-        self.generated: list[int] = []
-        self.cancelled: str | None = None  # the finish reason to report once the engine drops it
-        self.finish_reason: str | None = None
-        self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
-        # An engine that records rollouts (``record_routes``; reinforcement learning, k3jax.rl): per prompt
-        # token (set before on_token is first called) and per generated token, its selected experts in every
-        # MoE layer ``[M, k]`` int32, and each generated token's log-probability under the sampling
-        # distribution (the logits at the request's temperature; the raw logits when greedy).
-        self.prompt_routes: np.ndarray | None = None  # [len(prompt), M, k]
-        self.routes: list[np.ndarray] = []
-        self.sampled_logprobs: list[float] = []
-
-
-@dataclasses.dataclass
-class _Piece:
-    """One prefill call: each row runs ``width`` prompt tokens from ``starts[row]``, or none (-1)."""
-    tokens: np.ndarray  # [R, W]
-    valid: np.ndarray  # [R, W] a row's whole width or none of it
-    targets: np.ndarray  # [R, W] each position's next prompt token (past the prompt's end: 0, unused)
-    starts: list[int]  # per row: the prompt index of its first token here, -1: the row is idle
-    snapshots: list[tuple[int, int]]  # (row, prompt tokens done) of the rows that end a cache block here
-
-
-@dataclasses.dataclass
-class _Prefill:
-    seqs: list[Sequence | None]  # row i of the prefill batch is seqs[i] (None: cancelled, still computed)
-    prompts: list[list[int]]  # their prompts
-    pieces: list[_Piece]
-    cache: object
-    last: object  # each row's last logits [R, V]
-    length: int  # slots written so far (host copy of cache.length)
-    scores: bool = False  # some request wants its prompt's log-probabilities
-    done: int = 0  # pieces run so far
-    scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
-    routes: list = dataclasses.field(default_factory=list)  # per piece (record_routes): [R, W, M, k]
 
 
 class Engine:
@@ -238,9 +124,7 @@ class Engine:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.max_batch, self.prefill_chunk, self.max_queue = max_batch, min(prefill_chunk, self.max_len), max_queue
-        # prefill widths: a whole chunk, then the powers of two below it (a remainder's binary digits)
-        self._widths = [self.prefill_chunk] + [2**k for k in reversed(range(self.prefill_chunk.bit_length()))
-                                               if 2**k < self.prefill_chunk]
+        self._widths = piece_widths(self.prefill_chunk)
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         block = prefix_cache_block or self.prefill_chunk
@@ -257,7 +141,7 @@ class Engine:
             unroll_layers = self.mesh is None and target_platform() == "cpu"
         self._build(unrolled(model) if unroll_layers else model)
         if self.prefix_cache is not None:
-            self.prefix_cache_block_bytes = cache_bytes(jax.eval_shape(self._empty_block))
+            self.prefix_cache_block_bytes = cache_bytes(jax.eval_shape(self._programs.empty_block))
             log.info("prefix cache: blocks of %d tokens, %.1f MiB each (KDA snapshot included), %d blocks at most",
                      block, self.prefix_cache_block_bytes / 2**20, prefix_cache_tokens // block)
         self._reset()
@@ -271,84 +155,19 @@ class Engine:
         self._sets_host_memory = False
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
-    # --- device programs ---------------------------------------------------------------------------
     def _build(self, model: K3Model):
-        cfg, plan, c, p, b = model.cfg, model.plan, self.max_len, self.prefill_chunk, self.max_batch
         graphdef, self._state = nnx.split(model)
-        # The prefill cache has a chunk more slots than a request may use: a left-padded prompt of
-        # up to max_len - 1 tokens fills whole chunks. Slots are not positions, so the model's
-        # max_seq_len (a position limit) does not bound them.
-        wide = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, c + p))
-
-        def empty_pool():
-            return init_cache(cfg, plan, b, c)
-
-        def empty_prefill(rows):
-            return init_cache(wide, plan, rows, c + p)
-
-        record = self.record_routes
-
-        def prefill(state, cache, last, tokens, valid, targets, scores):
-            """A piece (tokens / valid / targets ``[R, W]``): each row runs all W tokens or none; an idle
-            row keeps its KDA states and last logits ``[R, V]``. Also returns the tokens' routes ``[R, W, M, k]``
-            (M = 0 unless ``record_routes``)."""
-            logits, new, stats = nnx.merge(graphdef, state).forward(tokens, cache=cache, token_valid=valid,
-                                                                    record_routes=record)
-            ran = jnp.any(valid, axis=1)
-            return (jnp.where(ran[:, None], logits[:, -1], last), keep_rows(new, cache, ~ran),
-                    token_logprobs(logits, targets, MAX_LOGPROBS, scores), _routes(stats, tokens.shape))
-
-        def insert(pool, logits, keys, row, src, src_row, last, seed):
-            packed = pack_row(src, src_row)  # skipped pieces left invalid slots between the row's tokens
-            pool = write_row(pool, row, packed, pool.length - packed.length)
-            return pool, logits.at[row].set(last[src_row]), keys.at[row].set(jax.random.key(seed))
-
-        def realign(pool, shift):
-            return shift_slots(pool, shift)
-
-        decode = decode_program(graphdef, record_routes=record)
-
-        sizes = sorted({1, self.prefill_batch})  # the prefill programs' row counts
-        if self.mesh is None:
-            jit = jax.jit
-            pool_sh, rep = None, None
-            pre_sh = {r: None for r in sizes}
-        else:  # fixed output layouts: a step's outputs are the next step's inputs, never a new signature
-            pool_sh = cache_shardings(jax.eval_shape(empty_pool), self.mesh)
-            pre_sh = {r: cache_shardings(jax.eval_shape(functools.partial(empty_prefill, r)), self.mesh)
-                      for r in sizes}
-            rep = NamedSharding(self.mesh, PartitionSpec())
-
-            def jit(fn, out_shardings, **kw):
-                return jax.jit(fn, out_shardings=out_shardings, **kw)
-        self._empty_pool = jit(empty_pool, out_shardings=pool_sh)
-        self._empty_prefill = {r: jit(functools.partial(empty_prefill, r), out_shardings=pre_sh[r]) for r in sizes}
-        self._zero_last = {r: jit(functools.partial(jnp.zeros, (r, cfg.vocab_size), jnp.float32), out_shardings=rep)
-                           for r in sizes}
-        # one program per row count and width (a piece's shape)
-        self._prefill_fn = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep, rep), donate_argnums=(1, 2))
-                            for r in sizes for w in self._widths}
-        if self.prefix_cache is not None:  # snapshots (replicated: one row) out of / into a prefill cache
-            size = self.prefix_cache.block
-            self._empty_block = functools.partial(init_cache, wide, plan, 1, size)
-            self._read_block_fn = {r: jit(functools.partial(read_block, size=size), out_shardings=rep) for r in sizes}
-            self._write_block_fn = {r: jit(write_block, out_shardings=pre_sh[r], donate_argnums=(0,)) for r in sizes}
-        self._insert_fn = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
-        self._realign_fn = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
-        # decode programs by row count: 1, 2, 4, ... and the whole pool
-        self.decode_programs = {r: jit(functools.partial(decode, r), out_shardings=(rep, rep, rep, rep, rep, pool_sh),
-                                  donate_argnums=(1, 2, 3))
-                           for r in sorted({min(2**i, b) for i in range(b.bit_length() + 1)})}
-        zeros = jax.jit(lambda: (jnp.zeros((b, cfg.vocab_size), jnp.float32),
-                                 jax.random.split(jax.random.key(0), b)),
-                        **({} if rep is None else {"out_shardings": (rep, rep)}))
-        self._init_rows = zeros
+        self._programs = Programs(graphdef, model.cfg, model.plan, max_batch=self.max_batch, max_len=self.max_len,
+                                  prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
+                                  widths=self._widths, mesh=self.mesh, record_routes=self.record_routes,
+                                  block=self.prefix_cache.block if self.prefix_cache is not None else None)
+        self.decode_programs = self._programs.decode  # by row count: 1, 2, 4, ... and the whole pool
 
     def _reset(self):
         """Empty pool; every row free."""
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            self._pool = self._empty_pool()
-            self._logits, self._keys = self._init_rows()
+            self._pool = self._programs.empty_pool()
+            self._logits, self._keys = self._programs.init_rows()
         self._rows: list[Sequence | None] = [None] * self.max_batch
         self._filled = np.zeros(self.max_batch, np.int64)  # tokens of each row in the pool (queued steps too)
         self._queued = np.zeros(self.max_batch, np.int64)  # decode steps queued for each row's request
@@ -358,23 +177,23 @@ class Engine:
         self._top_p = np.ones(self.max_batch, np.float32)
         self._wants = np.zeros(self.max_batch, bool)  # the row's request wants log-probabilities
         self._length = 0  # the pool's write position (host copy of pool.length)
-        self._prefill: _Prefill | None = None
+        self._prefill: Prefill | None = None
 
     def warmup(self) -> None:
         """Compile every device program now (a prefill, an insert, a move of the slots, a decode
         step on a dummy request), not at the first requests; then empty the pool."""
         metrics, self.metrics = self.metrics, Metrics()  # the dummy work is not served traffic
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            for rows in self._empty_prefill:  # the batch-1 and the batched prefill programs
-                cache, last = self._empty_prefill[rows](), self._zero_last[rows]()
+            for rows in self._programs.empty_prefill:  # the batch-1 and the batched prefill programs
+                cache, last = self._programs.empty_prefill[rows](), self._programs.zero_last[rows]()
                 for w in self._widths:  # p + p - 1 <= max_len + p slots
-                    last, cache, _, _ = self._prefill_fn[rows, w](
+                    last, cache, _, _ = self._programs.prefill[rows, w](
                         self._state, cache, last, np.zeros((rows, w), np.int32), np.ones((rows, w), bool),
                         np.zeros((rows, w), np.int32), np.bool_(True))
                 if self.prefix_cache is not None:
-                    block = self._read_block_fn[rows](cache, np.int32(0), np.int32(0))
-                    cache = self._write_block_fn[rows](cache, np.int32(0), np.int32(0), block)
-                self._pool, self._logits, self._keys = self._insert_fn(
+                    block = self._programs.read_block[rows](cache, np.int32(0), np.int32(0))
+                    cache = self._programs.write_block[rows](cache, np.int32(0), np.int32(0), block)
+                self._pool, self._logits, self._keys = self._programs.insert(
                     self._pool, self._logits, self._keys, np.int32(0), cache, np.int32(0), last, np.uint32(0))
             self._realign(0)
             for rows in self.decode_programs:
@@ -598,52 +417,31 @@ class Engine:
         its cached prefix (``hits``: its prefix cache nodes, root first). Row i's cached prefix of h_i
         tokens is written to end at slot H = max h_i; the pieces follow."""
         rows = 1 if len(seqs) == 1 else self.prefill_batch
-        p = self.prefill_chunk
         block = self.prefix_cache.block if self.prefix_cache is not None else 0
         done = [len(nodes) * block for nodes in hits]  # per row: prompt tokens already in the cache
         start = max(done)
-        cache = self._empty_prefill[rows]()
+        cache = self._programs.empty_prefill[rows]()
         for i, nodes in enumerate(hits):
             for j, node in enumerate(nodes):
-                cache = self._write_block_fn[rows](cache, np.int32(i), np.int32(start - done[i] + j * block),
-                                                   node.value)
+                cache = self._programs.write_block[rows](cache, np.int32(i),
+                                                         np.int32(start - done[i] + j * block), node.value)
         if start:
             cache = cache._replace(length=jnp.asarray(start, jnp.int32))
         if self.prefix_cache is not None:
             for seq, h in zip(seqs, done):
                 if not seq.params.prompt_logprobs:
                     self.metrics.prefix_lookup(h)
-        rest = [len(seq.prompt) - h for seq, h in zip(seqs, done)]
-        chunks = max(r // p for r in rest)
-
-        def piece(width: int, active: list[int]) -> _Piece:
-            tokens, valid, targets = (np.zeros((rows, width), t) for t in (np.int32, bool, np.int32))
-            starts, snapshots = [-1] * rows, []
-            for i in active:
-                prompt, a = seqs[i].prompt, done[i]
-                tokens[i], valid[i] = prompt[a:a + width], True
-                after = prompt[a + 1:a + width + 1]
-                targets[i, :len(after)] = after
-                starts[i], done[i] = a, a + width
-                if block and done[i] % block == 0:
-                    snapshots.append((i, done[i]))
-            return _Piece(tokens, valid, targets, starts, snapshots)
-
-        # whole chunks, each row's last ones together; then the remainders' binary digits
-        pieces = [piece(p, [i for i, r in enumerate(rest) if r // p >= chunks - j]) for j in range(chunks)]
-        for w in self._widths[1:]:
-            active = [i for i, r in enumerate(rest) if r % p & w]
-            if active:
-                pieces.append(piece(w, active))
-        self._prefill = _Prefill(list(seqs), [seq.prompt for seq in seqs], pieces, cache, self._zero_last[rows](),
-                                 start, scores=any(s.params.prompt_logprobs for s in seqs))
+        pieces = plan_pieces([seq.prompt for seq in seqs], done, rows, self._widths, block)
+        self._prefill = Prefill(list(seqs), [seq.prompt for seq in seqs], pieces, cache,
+                                self._programs.zero_last[rows](), start,
+                                scores=any(s.params.prompt_logprobs for s in seqs))
 
     def _prefill_chunk(self):
         """Run the prefill's next piece; after its last, hand the rows to the pool."""
         job = self._prefill
         piece = job.pieces[job.done]
         rows, width = piece.tokens.shape
-        job.last, job.cache, scored, routes = self._prefill_fn[rows, width](
+        job.last, job.cache, scored, routes = self._programs.prefill[rows, width](
             self._state, job.cache, job.last, piece.tokens, piece.valid, piece.targets, np.bool_(job.scores))
         if self.record_routes:
             job.routes.append(routes)
@@ -653,7 +451,8 @@ class Engine:
             job.scored.append(scored)
         for row, end in piece.snapshots:  # the row's last block ends here: its slots are the last ones
             if not self.prefix_cache.has(job.prompts[row], end):
-                block = self._read_block_fn[rows](job.cache, np.int32(row), np.int32(job.length - self.prefix_cache.block))
+                block = self._programs.read_block[rows](job.cache, np.int32(row),
+                                                        np.int32(job.length - self.prefix_cache.block))
                 self.prefix_cache.insert(job.prompts[row], end, block)
         if piece.snapshots:
             self.metrics.prefix_cache_size(self.prefix_cache.tokens)
@@ -673,7 +472,7 @@ class Engine:
                     self._insert(job, src_row)
             self._prefill = None
 
-    def _set_prompt_logprobs(self, job: _Prefill):
+    def _set_prompt_logprobs(self, job: Prefill):
         """Each scoring request's ``prompt_logprobs`` from the pieces' outputs: prompt token t's entry
         comes from the position before it (its first token has none). Scoring rows have no cached
         prefix: every position ran in some piece."""
@@ -687,10 +486,10 @@ class Engine:
                 a = piece.starts[row]
                 for q in range(piece.tokens.shape[1] if a >= 0 else 0):
                     if a + q + 1 < n:
-                        entries[a + q + 1] = _logprobs_of(own[row, q], top[row, q], ids[row, q], k)
+                        entries[a + q + 1] = read_logprobs(own[row, q], top[row, q], ids[row, q], k)
             seq.prompt_logprobs = entries
 
-    def _set_prompt_routes(self, job: _Prefill):
+    def _set_prompt_routes(self, job: Prefill):
         """Each request's ``prompt_routes`` ``[n, M, k]`` from the pieces' routes (no cached prefix when
         recording: every prompt position ran in some piece)."""
         routes = [np.asarray(r) for r in job.routes]  # per piece [R, W, M, k]
@@ -700,7 +499,7 @@ class Engine:
             parts = [(piece.starts[row], r[row]) for piece, r in zip(job.pieces, routes) if piece.starts[row] >= 0]
             seq.prompt_routes = np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])], axis=0)
 
-    def _insert(self, job: _Prefill, src_row: int):
+    def _insert(self, job: Prefill, src_row: int):
         seq = job.seqs[src_row]
         n = len(seq.prompt)
         if self._length < n:  # the row's tokens must all precede the write position
@@ -708,7 +507,7 @@ class Engine:
         row = self._rows.index(None)
         params = seq.params
         seed = seq.seed
-        self._pool, self._logits, self._keys = self._insert_fn(self._pool, self._logits, self._keys, np.int32(row),
+        self._pool, self._logits, self._keys = self._programs.insert(self._pool, self._logits, self._keys, np.int32(row),
                                                                job.cache, np.int32(src_row), job.last,
                                                                np.uint32(seed % 2**32))
         self._rows[row], self._filled[row], self._queued[row] = seq, n, 0
@@ -717,7 +516,7 @@ class Engine:
         self.metrics.tokens(prompt=n)
 
     def _realign(self, shift: int):
-        self._pool = self._realign_fn(self._pool, np.int32(shift))
+        self._pool = self._programs.realign(self._pool, np.int32(shift))
         self._length += shift
         self.metrics.realigned()
 
@@ -775,7 +574,7 @@ class Engine:
                 reason = "stop"
             else:
                 k = seq.params.logprobs
-                seq.on_token(token, None if k is None else _logprobs_of(own[r], top[r], ids[r], k))
+                seq.on_token(token, None if k is None else read_logprobs(own[r], top[r], ids[r], k))
                 if len(seq.generated) >= seq.params.max_tokens:
                     reason = "length"
             if reason is not None:

@@ -24,6 +24,12 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...]
 
 
+def read_logprobs(own, top, ids, k: int) -> TokenLogprobs:
+    """A token's log-probability and its position's first ``k`` alternatives, from one position's host
+    arrays of ``token_logprobs`` (own: a scalar, top / ids: ``[MAX_LOGPROBS]``)."""
+    return TokenLogprobs(float(own), tuple(int(i) for i in ids[:k]), tuple(float(v) for v in top[:k]))
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, k: int, wanted: jax.Array):
     """logits ``[..., V]``, targets ``[...]`` int -> (the targets' log-probabilities ``[...]``, the
     top-``k`` log-probabilities ``[..., k]`` and their ids ``[..., k]`` int32), all float32 from

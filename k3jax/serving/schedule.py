@@ -35,12 +35,10 @@ import sys
 import threading
 import time
 import zlib
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from k3jax.serving.engine import Sequence
+from k3jax.serving.request import SamplingParams, Sequence
 
 # Why a request is cancelled (``Engine.cancel``), as sent on the wire.
 CANCEL_REASONS = ("cancelled", "stop", "abort", "error", "length")
@@ -153,8 +151,6 @@ def payload_size(header: np.ndarray) -> int:
 def decode(header: np.ndarray, payload: np.ndarray, make_sequence) -> tuple[Schedule, int]:
     """``encode``'s inverse: (schedule, the sender's digest); ``make_sequence(id, prompt, params, seed)``
     builds each admitted request."""
-    from k3jax.serving.engine import SamplingParams
-
     if int(header[0]) != _TAG:
         raise RuntimeError(f"a schedule header without this protocol's tag ({int(header[0]):#x}): the processes "
                            f"run different k3jax versions?")
@@ -259,8 +255,6 @@ def _ignore(*_) -> None:
 def mirror_sequence(rid: int, prompt: list[int], params, seed: int) -> Sequence:
     """A follower's copy of process 0's request ``rid``: the same prompt, parameters and seed, reporting to
     nobody."""
-    from k3jax.serving.engine import Sequence
-
     seq = Sequence(prompt, params, _ignore, _ignore)
     seq.id, seq.seed = rid, seed
     return seq

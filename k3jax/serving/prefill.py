@@ -1,0 +1,74 @@
+"""How the engine prefills a batch of prompts: the pieces (one device call each) that run them, and the
+state of a prefill between pieces. Each prompt runs from its first uncached token in whole
+``prefill_chunk`` pieces (a row with fewer chunks joins later: every row's last chunks run together),
+then its remainder (< ``prefill_chunk`` tokens) in pieces of its binary digits; in a piece a row runs
+the piece's width of tokens or none. So a prompt's chunk boundaries fall at multiples of ``prefill_chunk``
+from its start, where the prefix cache takes and resumes snapshots, and the pieces have few shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from k3jax.serving.request import Sequence
+
+
+def piece_widths(prefill_chunk: int) -> list[int]:
+    """The pieces' widths: a whole chunk, then the powers of two below it (a remainder's binary digits)."""
+    return [prefill_chunk] + [2**k for k in reversed(range(prefill_chunk.bit_length())) if 2**k < prefill_chunk]
+
+
+@dataclasses.dataclass
+class Piece:
+    """One prefill call: each row runs ``width`` prompt tokens from ``starts[row]``, or none (-1)."""
+    tokens: np.ndarray  # [R, W]
+    valid: np.ndarray  # [R, W] a row's whole width or none of it
+    targets: np.ndarray  # [R, W] each position's next prompt token (past the prompt's end: 0, unused)
+    starts: list[int]  # per row: the prompt index of its first token here, -1: the row is idle
+    snapshots: list[tuple[int, int]]  # (row, prompt tokens done) of the rows that end a cache block here
+
+
+def plan_pieces(prompts: list[list[int]], done: list[int], rows: int, widths: list[int], block: int) -> list[Piece]:
+    """The pieces that prefill ``prompts`` (row i: ``prompts[i]``, its first ``done[i]`` tokens already in the
+    cache) in a ``rows``-row prefill cache; ``widths``: ``piece_widths(prefill_chunk)``; ``block``: the prefix
+    cache's block (0: none), whose ends the pieces mark as snapshots."""
+    p, done = widths[0], list(done)
+    rest = [len(prompt) - h for prompt, h in zip(prompts, done)]
+    chunks = max(r // p for r in rest)
+
+    def piece(width: int, active: list[int]) -> Piece:
+        tokens, valid, targets = (np.zeros((rows, width), t) for t in (np.int32, bool, np.int32))
+        starts, snapshots = [-1] * rows, []
+        for i in active:
+            prompt, a = prompts[i], done[i]
+            tokens[i], valid[i] = prompt[a:a + width], True
+            after = prompt[a + 1:a + width + 1]
+            targets[i, :len(after)] = after
+            starts[i], done[i] = a, a + width
+            if block and done[i] % block == 0:
+                snapshots.append((i, done[i]))
+        return Piece(tokens, valid, targets, starts, snapshots)
+
+    # whole chunks, each row's last ones together; then the remainders' binary digits
+    pieces = [piece(p, [i for i, r in enumerate(rest) if r // p >= chunks - j]) for j in range(chunks)]
+    for w in widths[1:]:
+        active = [i for i, r in enumerate(rest) if r % p & w]
+        if active:
+            pieces.append(piece(w, active))
+    return pieces
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A prefill in progress: its requests, their pieces, its cache and the pieces' outputs so far."""
+    seqs: list[Sequence | None]  # row i of the prefill batch is seqs[i] (None: cancelled, still computed)
+    prompts: list[list[int]]  # their prompts
+    pieces: list[Piece]
+    cache: object
+    last: object  # each row's last logits [R, V]
+    length: int  # slots written so far (host copy of cache.length)
+    scores: bool = False  # some request wants its prompt's log-probabilities
+    done: int = 0  # pieces run so far
+    scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
+    routes: list = dataclasses.field(default_factory=list)  # per piece (record_routes): [R, W, M, k]
