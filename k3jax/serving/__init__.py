@@ -9,7 +9,9 @@
 - ``loading``: a checkpoint in its stored dtype, and its weight bytes per device;
 - ``sampling``: per-row temperature / top-p sampling;
 - ``text``: chat prompts, incremental detokenisation with stop strings;
-- ``api``: the FastAPI app, OpenAI request / response schemas and validation;
+- ``api``: the FastAPI app: its routes and the OpenAI requests' validation and handling;
+- ``api_schemas``: the OpenAI request bodies and the error body; ``replies``: the response bodies;
+- ``transport``: request bodies under a size limit, the drain on shutdown, event streams that cancel;
 - ``metrics``: Prometheus counters, gauges and the time-to-first-token histogram;
 - ``server``: command-line options and the uvicorn start (process 0; the other processes follow).
 """

@@ -40,322 +40,38 @@ Overload and shutdown: a body over ``max_body_bytes`` is refused with 413 from i
 closed. :meth:`Drain.drain` (the server calls it on SIGTERM / SIGINT) answers new requests with 503
 (``Retry-After``, ``Connection: close``) while the running requests finish; those still running at
 its deadline end with ``finish_reason: "abort"`` (streams: a last chunk with it, then ``[DONE]``).
+
+This module holds the app and its handlers; the request bodies and the error body are
+``k3jax.serving.api_schemas``'s, the response bodies ``k3jax.serving.replies``', the body limit, the
+drain and the event streams ``k3jax.serving.transport``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import time
-import uuid
-from typing import Callable, Literal
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.requests import ClientDisconnect
+from fastapi.responses import PlainTextResponse
 
 from k3jax.data.chat import reply_stop_ids
-from k3jax.serving.assistant_reply import forced_prefix, parse_reply, reply_stream
+from k3jax.serving.api_schemas import (UNSUPPORTED, BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, error_response, param_path)
+from k3jax.serving.assistant_reply import forced_prefix
 from k3jax.serving.engine import Engine, QueueFull
-from k3jax.serving.logprob_fields import CompletionLogprobs, chat_content
-from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs
+from k3jax.serving.logprob_fields import CompletionLogprobs
+from k3jax.serving.logprobs import MAX_LOGPROBS
+from k3jax.serving.replies import Channel, Choice, Reply, Turn
 from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.text import TextStream, chat_prompt
+from k3jax.serving.transport import Drain, EngineStream, PayloadTooLarge, cancel_on_disconnect, read_body, sse
 
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 60.0
-# Accepted for compatibility only at their neutral value.
-_UNSUPPORTED = ("best_of", "suffix", "logit_bias", "functions", "presence_penalty", "frequency_penalty")
-
-
-class _Strict(BaseModel):
-    # strict: "5" is not an int and 1.5 not an int; unknown fields are ignored, as OpenAI does
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # JSON
-
-
-class ToolCall(_Strict):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant
-    reasoning_content: str | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-
-
-class Function(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: Function
-
-
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Tool] | None = None
-    # "none": the tools are not offered; "required" / a named function: the turn must call one
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-
-    @property
-    def forced_function(self) -> str | None:
-        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-
-
-class TokenizeRequest(_Strict):
-    prompt: str
-
-
-class DetokenizeRequest(_Strict):
-    tokens: list[int]
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-
-
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status, headers=headers)
-
-
-def _param(loc: tuple) -> str:
-    """A pydantic error location as a field path: ("messages", 0, "content", ...) -> messages[0].content."""
-    out = str(loc[0]) if loc else ""
-    for part in loc[1:]:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif (out.startswith("messages") and part in Message.model_fields) or (
-                out.startswith("tools") and part in Tool.model_fields):
-            out += f".{part}"
-        else:
-            break  # a union member's name (e.g. "list[int]"), not a field
-    return out
-
-
-class PayloadTooLarge(Exception):
-    pass
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (PayloadTooLarge) from its Content-Length or once more than ``limit``
-    bytes have come, without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body has {declared} bytes; this server takes at most {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
-    return bytes(body)
-
-
-class Drain:
-    """The requests in flight, and the server's shutdown: :meth:`drain` refuses new requests and waits
-    for the running ones (aborting those left at its deadline)."""
-
-    def __init__(self):
-        self.draining = False
-        self._live: dict[int, Callable[[], None]] = {}  # request id -> abort its sequences
-        self._ids = itertools.count()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self, abort: Callable[[], None]) -> int:
-        key = next(self._ids)
-        self._live[key] = abort
-        self._idle.clear()
-        return key
-
-    def leave(self, key: int) -> None:
-        self._live.pop(key, None)
-        if not self._live:
-            self._idle.set()
-
-    @property
-    def live(self) -> int:
-        return len(self._live)
-
-    async def drain(self, timeout_s: float, abort_grace_s: float = 10.0) -> bool:
-        """Refuse new requests; wait up to ``timeout_s`` for the running ones, then abort those left
-        (``finish_reason: abort``) and wait up to ``abort_grace_s`` for their last bytes. True when every
-        request ended."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            for abort in list(self._live.values()):
-                abort()
-        try:
-            await asyncio.wait_for(self._idle.wait(), abort_grace_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _cancel_on_disconnect(receive, cancel) -> None:
-    """Wait for the client to go away, then ``cancel()`` (run as a task beside a response)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    cancel()
-
-
-class _EngineStream(StreamingResponse):
-    """An SSE response that cancels its requests when it ends for any reason: the client going away
-    while the requests wait for their first token (seen by ``receive``) or mid-stream (a failed send),
-    or a send that waits more than ``idle_timeout_s`` (a client that stopped reading: the response is
-    abandoned, so the connection closes). ``done`` runs last."""
-
-    def __init__(self, content, cancel, idle_timeout_s: float, done: Callable[[], None], **kwargs):
-        super().__init__(content, **kwargs)
-        self.cancel, self.idle_timeout_s, self.done = cancel, idle_timeout_s, done
-
-    async def __call__(self, scope, receive, send):
-        sending_since: list[float | None] = [None]
-        loop = asyncio.get_running_loop()
-
-        async def timed_send(message):
-            sending_since[0] = loop.time()
-            await send(message)
-            sending_since[0] = None
-
-        async def idle_watch(response: asyncio.Task):
-            while not response.done():
-                await asyncio.sleep(self.idle_timeout_s / 4)
-                since = sending_since[0]
-                if since is not None and loop.time() - since > self.idle_timeout_s:
-                    self.cancel()
-                    response.cancel()
-                    return
-
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, self.cancel))
-        response = asyncio.create_task(super().__call__(scope, receive, timed_send))
-        idle = asyncio.create_task(idle_watch(response))
-        try:
-            await response
-        except (OSError, ClientDisconnect):  # the client left; nothing to answer
-            pass
-        except asyncio.CancelledError:
-            if not response.cancelled() or asyncio.current_task().cancelling():
-                raise
-        finally:
-            watcher.cancel()
-            idle.cancel()
-            self.cancel()
-            self.done()
-
-
-class _Channel:
-    """Engine-thread callbacks of a request's sequences -> one asyncio queue of (choice index, "token",
-    (id, TokenLogprobs or None)) / (choice index, "finish", reason)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def callbacks(self, index: int):
-        def on_token(token: int, logprobs: TokenLogprobs | None):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, "token", (token, logprobs)))
-
-        def on_finish(reason: str):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, "finish", reason))
-        return on_token, on_finish
-
-
-class _Turn:
-    """How a chat request's turns are read back: the chat format's parser (none: plain text), the
-    function a named tool_choice allows and the text the prompt started the turn with."""
-
-    def __init__(self, tokenizer, only: str | None, start: str):
-        self.tokenizer, self.only, self.start = tokenizer, only, start
-        self.parsed = reply_stream(tokenizer) is not None
-
-    def stream(self):
-        return reply_stream(self.tokenizer, self.only)
-
-    def parse(self, text: str):
-        return parse_reply(self.start + text, self.stream())
-
-
-class _Choice:
-    """One sequence of a request: its engine request, its text so far and its tokens' log-probabilities."""
-
-    def __init__(self, index: int, seq: Sequence, text: TextStream, logprobs: CompletionLogprobs | None,
-                 turn: _Turn | None):
-        self.index, self.seq, self.text, self.logprobs = index, seq, text, logprobs
-        self.turn = turn  # a chat format with markup: how the turn is parsed
-        # the turn parsed into reasoning, content and tool calls as it streams
-        self.reply = turn.stream() if turn is not None else None
-        self.ids: list[int] = []  # generated ids handed out (no stop token)
-        self.entries: list[TokenLogprobs] = []
-        self.parts: list[str] = []
-        self.finish_reason: str | None = None
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES,
@@ -412,13 +128,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
     async def _simple(request: Request, schema, run):
         """Validate a JSON body against ``schema`` and answer ``run(request)`` (400 naming the field)."""
         try:
-            return await run(schema.model_validate(json.loads(await _read_body(request, max_body_bytes))))
+            return await run(schema.model_validate(json.loads(await read_body(request, max_body_bytes))))
         except PayloadTooLarge as e:
             return error_response(413, str(e), kind="payload_too_large")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error_response(400, f"the request body is not valid JSON: {e}")
         except pydantic.ValidationError as e:
-            param = _param(e.errors()[0]["loc"])
+            param = param_path(e.errors()[0]["loc"])
             return error_response(400, f"{param}: {e.errors()[0]['msg']}", param or None)
         except BadRequest as e:
             return error_response(e.status, e.message, e.param)
@@ -476,7 +192,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
         """(prompts as ids, sampling parameters of each prompt's choices, stop strings) of a validated
         request (BadRequest)."""
         fields = req.model_extra or {}
-        for name in _UNSUPPORTED:
+        for name in UNSUPPORTED:
             if fields.get(name) not in (None, False, 0, 0.0, [], {}):
                 raise BadRequest(f"'{name}' is not supported by this server", name)
         if req.model is not None and req.model != model_name:
@@ -538,7 +254,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
             return error_response(503, "the server is shutting down", kind="server_shutting_down",
                                   headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
         try:
-            body = json.loads(await _read_body(request, max_body_bytes))
+            body = json.loads(await read_body(request, max_body_bytes))
         except PayloadTooLarge as e:
             return error_response(413, str(e), kind="payload_too_large", headers={"Connection": "close"})
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -550,18 +266,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
             prompts, params, stop = prepare(req, chat)
         except pydantic.ValidationError as e:
             err = e.errors()[0]
-            param = _param(err["loc"])
+            param = param_path(err["loc"])
             return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param or None)
         except BadRequest as e:
             return error_response(e.status, e.message, e.param)
-        channel = _Channel(asyncio.get_running_loop())
-        choices: list[_Choice] = []
-        turn = _Turn(tokenizer, req.forced_function, turn_start(req)[1]) if chat else None
+        channel = Channel(asyncio.get_running_loop())
+        choices: list[Choice] = []
+        turn = Turn(tokenizer, req.forced_function, turn_start(req)[1]) if chat else None
         for prompt, prompt_params in zip(prompts, params):
             for p in prompt_params:
                 seq = Sequence(prompt, p, *channel.callbacks(len(choices)))
                 logprobs = None if chat or p.logprobs is None else CompletionLogprobs(tokenizer, p.logprobs)
-                choices.append(_Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs,
+                choices.append(Choice(len(choices), seq, TextStream(tokenizer, stop), logprobs,
                                        turn if turn is not None and turn.parsed else None))
 
         def cancel_all():
@@ -578,10 +294,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
             return error_response(503, f"the server is busy: {e}; retry later", kind="server_overloaded",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         live = drain.enter(lambda: [engine.cancel(c.seq, "abort") for c in choices])
-        reply = _Reply(chat, model_name, prompts, bool(req.return_token_ids), tokenizer)
+        reply = Reply(chat, model_name, prompts, bool(req.return_token_ids), tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EngineStream(_stream(choices, channel, reply, usage), cancel_all, idle_timeout_s,
+            return EngineStream(_stream(choices, channel, reply, usage), cancel_all, idle_timeout_s,
                                  lambda: drain.leave(live), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
         try:
@@ -589,7 +305,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
         finally:
             drain.leave(live)
 
-    async def _events(choices: list[_Choice], channel: _Channel):
+    async def _events(choices: list[Choice], channel: Channel):
         """(choice, text delta, token id or None, its TokenLogprobs or None, finish reason or None) until
         every choice has ended."""
         live = len(choices)
@@ -613,19 +329,19 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
                 continue
             yield c, delta, token, logprobs, None
 
-    async def _stream(choices: list[_Choice], channel: _Channel, reply: "_Reply", usage: bool):
+    async def _stream(choices: list[Choice], channel: Channel, reply: Reply, usage: bool):
         if reply.chat:
             for c in choices:
-                yield _sse(reply.chunk(c, {"role": "assistant", "content": ""}))
+                yield sse(reply.chunk(c, {"role": "assistant", "content": ""}))
         echoed = set()
         async for c, delta, token, logprobs, reason in _events(choices, channel):
             if reason == "error":
-                yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
+                yield sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
                                       "code": None}})
                 return
             if c.seq.params.prompt_logprobs and c.index not in echoed:  # the engine has scored the prompt
                 echoed.add(c.index)
-                yield _sse(reply.chunk(c, reply.echo(c), prompt=True))
+                yield sse(reply.chunk(c, reply.echo(c), prompt=True))
             tokens = [] if token is None else [token]
             entries = [logprobs] if logprobs is not None else []
             if c.reply is not None:  # the turn's parts as they complete
@@ -634,17 +350,17 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
                 if not deltas and (entries or (reply.token_ids and tokens)):
                     deltas = [{}]
                 for k, d in enumerate(deltas):
-                    yield _sse(reply.chunk(c, d, tokens if k == 0 else [], entries if k == 0 else []))
+                    yield sse(reply.chunk(c, d, tokens if k == 0 else [], entries if k == 0 else []))
             elif delta or (token is not None and (reply.token_ids or logprobs is not None)):
-                yield _sse(reply.chunk(c, delta, tokens, entries))
+                yield sse(reply.chunk(c, delta, tokens, entries))
             if reason is not None:
-                yield _sse(reply.chunk(c, None, finish_reason=reply.finish_reason(c, reason)))
+                yield sse(reply.chunk(c, None, finish_reason=reply.finish_reason(c, reason)))
         if usage:
-            yield _sse(reply.usage_chunk(choices))
+            yield sse(reply.usage_chunk(choices))
         yield "data: [DONE]\n\n"
 
-    async def _collect(request: Request, choices: list[_Choice], channel: _Channel, reply: "_Reply", cancel_all):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, cancel_all))
+    async def _collect(request: Request, choices: list[Choice], channel: Channel, reply: Reply, cancel_all):
+        watcher = asyncio.create_task(cancel_on_disconnect(request.receive, cancel_all))
         try:
             async for c, delta, token, logprobs, reason in _events(choices, channel):
                 c.parts.append(delta)
@@ -660,102 +376,3 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
         return reply.full(choices)
 
     return app
-
-
-class _Reply:
-    """OpenAI response bodies for one request."""
-
-    def __init__(self, chat: bool, model: str, prompts: list[list[int]], token_ids: bool, tokenizer):
-        self.chat, self.model, self.prompts, self.token_ids = chat, model, prompts, token_ids
-        self.tokenizer = tokenizer
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def _usage(self, choices: list[_Choice]) -> dict:
-        prompt = sum(len(p) for p in self.prompts)
-        generated = sum(len(c.seq.generated) for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
-
-    def echo(self, c: _Choice) -> str:
-        """The echoed prompt's text."""
-        return self.tokenizer.decode(c.seq.prompt)
-
-    def _logprobs(self, c: _Choice, ids: list[int], entries: list[TokenLogprobs], prompt: bool):
-        """The choice's logprobs field for ``ids`` (completions with ``prompt``: the echoed prompt's)."""
-        if self.chat:
-            return None if c.seq.params.logprobs is None else {"content": chat_content(self.tokenizer, ids, entries),
-                                                                "refusal": None}
-        if c.logprobs is None:
-            return None
-        if prompt:  # (no entries when the request ended before its prefill did)
-            return c.logprobs.piece(c.seq.prompt, c.seq.prompt_logprobs or [None] * len(c.seq.prompt))
-        return c.logprobs.piece(ids, entries)
-
-    def chunk(self, c: _Choice, delta, token_ids=(), entries=(), finish_reason=None, prompt: bool = False) -> dict:
-        """A stream chunk of choice ``c``: ``delta`` is text (completions), a delta dict (chat) or None
-        (its final chunk); ``prompt``: the echoed prompt."""
-        logprobs = self._logprobs(c, list(token_ids), list(entries), prompt) if entries or prompt else None
-        if self.chat:
-            choice = {"index": c.index, "delta": delta if isinstance(delta, dict) else
-                      ({} if delta is None else {"content": delta}), "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": c.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        if self.token_ids and (token_ids or prompt):
-            choice["token_ids"] = list(c.seq.prompt if prompt else token_ids)
-        return self._envelope([choice], chunk=True)
-
-    @staticmethod
-    def reply_delta(c: _Choice, kind: str, value) -> dict:
-        """A chat delta from a parsed turn's event (``ReplyStream.feed``)."""
-        if kind == "tool_call":
-            return {"tool_calls": [{"index": c.reply.tool_calls.index(value), **value}]}
-        return {"reasoning_content" if kind == "reasoning" else "content": value}
-
-    @staticmethod
-    def finish_reason(c: _Choice, reason: str, text: str | None = None) -> str:
-        """``tool_calls`` for a turn that ended (``stop``) with well-formed tool calls."""
-        if c.reply is None or reason != "stop":
-            return reason
-        if text is not None:
-            return "tool_calls" if c.turn.parse(text).tool_calls else reason
-        return "tool_calls" if c.reply.tool_calls and not c.reply.malformed else reason
-
-    def usage_chunk(self, choices: list[_Choice]) -> dict:
-        out = self._envelope([], chunk=True)
-        out["usage"] = self._usage(choices)
-        return out
-
-    def full(self, choices: list[_Choice]) -> dict:
-        out = []
-        for c in choices:
-            text = "".join(c.parts)
-            if self.chat:
-                message = {"role": "assistant", "content": text}
-                if c.reply is not None:
-                    turn = c.turn.parse(text)
-                    message = {"role": "assistant", "content": turn.content or (None if turn.tool_calls else ""),
-                               "reasoning_content": turn.reasoning}
-                    if turn.tool_calls:
-                        message["tool_calls"] = turn.tool_calls
-                choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c, c.ids, c.entries, False),
-                          "finish_reason": self.finish_reason(c, c.finish_reason, text)}
-            else:
-                echo = c.seq.params.prompt_logprobs
-                logprobs = None
-                if c.logprobs is not None:
-                    parts = ([self._logprobs(c, [], [], True)] if echo else []) + [
-                        self._logprobs(c, c.ids, c.entries, False)]
-                    logprobs = {key: sum((p[key] for p in parts), []) for key in parts[0]}
-                choice = {"index": c.index, "text": (self.echo(c) if echo else "") + text, "logprobs": logprobs,
-                          "finish_reason": c.finish_reason}
-            if self.token_ids:
-                choice["prompt_token_ids"], choice["token_ids"] = c.seq.prompt, c.ids
-            out.append(choice)
-        body = self._envelope(out, chunk=False)
-        body["usage"] = self._usage(choices)
-        return body

@@ -1,6 +1,6 @@
 """``python infer.py --serve``: the command-line options of the server and its start (uvicorn).
 
-SIGTERM / SIGINT drain the server (``api.Drain``): new requests get 503 while the running ones finish,
+SIGTERM / SIGINT drain the server (``transport.Drain``): new requests get 503 while the running ones finish,
 for up to ``--drain-timeout`` seconds; those left then end with ``finish_reason: "abort"``, and the
 server exits. A second SIGINT exits at once.
 
