@@ -29,7 +29,8 @@ transformers = pytest.importorskip("transformers")
 from cpu_devices import TESTS, run_child  # noqa: E402
 from k3jax.config import load_config  # noqa: E402
 from k3jax.interop import hf_names, mxfp4  # noqa: E402
-from k3jax.interop.hf_config import HFConfigError, config_from_hf, config_to_hf  # noqa: E402
+from k3jax.interop.hf_config import HFConfigError, config_from_hf  # noqa: E402
+from k3jax.interop.hf_config_export import config_to_hf  # noqa: E402
 from k3jax.interop import from_hf, to_hf  # noqa: E402
 from k3jax.interop.model_leaves import model_variables  # noqa: E402
 from k3jax.interop.safetensors_io import SafetensorsFile  # noqa: E402

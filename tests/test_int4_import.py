@@ -261,7 +261,8 @@ def test_kimi_k25_maps_onto_k2_and_moonvit(dense_ckpt, tmp_path, tokens):
     the same model as the bare K2 checkpoint."""
     from transformers import Kimi_K25Config
 
-    from k3jax.interop.hf_config import config_to_hf, runtime_fields_equal
+    from k3jax.interop.hf_config import runtime_fields_equal
+    from k3jax.interop.hf_config_export import config_to_hf
 
     text = json.loads((dense_ckpt / "config.json").read_text())
     vision = {"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 40,

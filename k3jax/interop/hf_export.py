@@ -21,7 +21,8 @@ from flax import nnx
 from k3jax.runtime import storage
 from k3jax.config import ModelConfig
 from k3jax.interop import mxfp4
-from k3jax.interop.hf_config import carried_config, check_exportable, config_to_hf
+from k3jax.interop.hf_config import carried_config
+from k3jax.interop.hf_config_export import check_exportable, config_to_hf
 from k3jax.interop.hf_names import LANGUAGE_MODEL_PREFIX, bindings, block_to_hf, hf_shape_of
 from k3jax.interop.model_leaves import Path, logical_shape, model_variables, packed_parts
 from k3jax.interop.progress import progress_bar

@@ -20,7 +20,8 @@ from flax import nnx
 
 from k3jax.runtime import storage
 from k3jax.config import LoRAConfig
-from k3jax.interop.hf_config import MODEL_TYPES, check_exportable
+from k3jax.interop.hf_config import MODEL_TYPES
+from k3jax.interop.hf_config_export import check_exportable
 from k3jax.interop.hf_names import LANGUAGE_MODEL_PREFIX, LAYER_RE, LINEAR, LINEAR_IN2, Binding, bindings, block_to_hf, \
     canonical_name, hf_shape_of, hf_to_block
 from k3jax.interop.model_leaves import Path, model_variables
