@@ -251,7 +251,8 @@ def test_runtime_fields_are_marked_on_the_fields():
     it (checkpoint.py) and which an HF round trip ignores (interop/hf_config.py)."""
     assert runtime_fields(ModelConfig) == {"remat", "kda_impl", "moe_impl", "max_seq_len", "init_std"}
     assert runtime_fields(TrainConfig) == {"steps", "log_every", "eval_every", "checkpoint_every",
-                                           "keep_checkpoints", "out_dir", "max_nonfinite_steps", "on_nonfinite"}
+                                           "keep_checkpoints", "out_dir", "max_nonfinite_steps", "on_nonfinite",
+                                           "wandb", "profile"}
     assert runtime_fields(DataConfig) == {"bad_records"}  # a run stopped by a bad record resumes skipping it
     base = load_config("tiny")
     same = load_config("tiny", ["model.remat=full", "model.kda.chunk_size=16", "model.moe.ep_dispatch=all_to_all",

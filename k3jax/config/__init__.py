@@ -11,9 +11,11 @@ from k3jax.config.loading import CONFIG_DIR, from_dict, load_config, parse_overr
 from k3jax.config.model_config import AttnResConfig, KDAConfig, MLAConfig, MoEConfig, ModelConfig, QuantConfig, \
     VisionConfig, YarnConfig
 from k3jax.config.rl_config import RLConfig
-from k3jax.config.run_config import LORA_SITES, Config, DataConfig, LoRAConfig, MeshConfig, OptimConfig, TrainConfig
+from k3jax.config.run_config import LORA_SITES, Config, DataConfig, LoRAConfig, MeshConfig, OptimConfig, ProfileConfig, \
+    TrainConfig, WandbConfig
 
 __all__ = ["CONFIG_DIR", "LORA_SITES", "AttnResConfig", "Config", "ConfigError", "DataConfig", "KDAConfig", "LoRAConfig", "MLAConfig", "MeshConfig",
-           "MoEConfig", "ModelConfig", "OptimConfig", "QuantConfig", "RLConfig", "TrainConfig", "VisionConfig", "YarnConfig",
+           "MoEConfig", "ModelConfig", "OptimConfig", "ProfileConfig", "QuantConfig", "RLConfig", "TrainConfig", "VisionConfig",
+           "WandbConfig", "YarnConfig",
            "from_dict", "load_config", "parse_overrides", "resolve_path", "runtime_fields", "to_dict",
            "without_runtime_fields"]

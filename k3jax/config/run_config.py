@@ -83,6 +83,43 @@ class DataConfig:
                   f"applies to chat data only (train.data.format=chat), not format={self.format!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (``k3jax/training/wandb_log.py``): the scalars of ``metrics.jsonl`` and the
+    resolved config, from process 0; a resumed run goes on in the same W&B run (its id is kept in the run
+    directory's ``wandb_run_id``). Needs ``pip install wandb`` (the ``wandb`` extra)."""
+
+    # off: no W&B; online: stream to the server (``wandb login`` or WANDB_API_KEY); offline: write the W&B
+    # run under WANDB_DIR (default ./wandb) for a later ``wandb sync``
+    mode: Literal["off", "online", "offline"] = "off"
+    project: str = "k3jax"
+    entity: str = ""  # "": the account's default entity
+    name: str = ""  # the run's display name; "": the run directory's name
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A ``jax.profiler`` trace of a few training steps, written to ``<run_dir>/profile/`` (open it with
+    ``tensorboard --logdir <run_dir>/profile`` and its profile plugin, or the ``.xplane.pb`` in Perfetto /
+    XProf; ``k3jax/training/profiling.py``)."""
+
+    first_step: int = 0  # the first traced step (steps count from 1, as in metrics.jsonl); 0: no trace
+    steps: int = 3  # how many steps from first_step are traced (the first step compiles: start after it)
+
+    @property
+    def enabled(self) -> bool:
+        return self.first_step > 0
+
+    def validate(self, prefix: str = "train.profile") -> None:
+        check(self.first_step >= 0, f"{prefix}.first_step", "must be >= 0 (0: no trace)")
+        check(self.steps > 0, f"{prefix}.steps", "must be positive")
+
+
 # The projections low-rank adapters may target, by the layer kind that holds them (``train.lora.targets``
 # names a kind for all of its projections, or ``kind.weight`` for one). The router, norms, gates' constants,
 # convolutions, embeddings, lm_head and the routed experts are never adapted.
@@ -173,6 +210,8 @@ class TrainConfig:
     lora: LoRAConfig = LoRAConfig()
     # reinforcement learning (rl.loss != off): the batches are rollouts of the model itself (k3jax/rl)
     rl: RLConfig = RLConfig()
+    wandb: WandbConfig = runtime(WandbConfig())
+    profile: ProfileConfig = runtime(ProfileConfig())
 
     def validate(self, prefix: str = "train") -> None:
         check_choices(self, prefix)
@@ -188,6 +227,7 @@ class TrainConfig:
         self.data.validate(f"{prefix}.data")
         self.lora.validate(f"{prefix}.lora")
         self.rl.validate(f"{prefix}.rl")
+        self.profile.validate(f"{prefix}.profile")
         if self.rl.enabled:
             check(self.batch_size == self.rl.rows, f"{prefix}.batch_size",
                   f"an RL step trains on its rollouts: set it to rl.prompts_per_step x rl.group_size = {self.rl.rows}")
@@ -254,4 +294,5 @@ class Config:
 
 
 
-__all__ = ["LORA_SITES", "Config", "DataConfig", "LoRAConfig", "MeshConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["LORA_SITES", "Config", "DataConfig", "LoRAConfig", "MeshConfig", "OptimConfig", "ProfileConfig", "TrainConfig",
+           "WandbConfig"]

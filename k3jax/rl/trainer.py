@@ -48,6 +48,7 @@ from k3jax.sharding import make_mesh, shard_batch, use_mesh
 from k3jax.tokenizer import load_tokenizer
 from k3jax.training import checkpoint
 from k3jax.training.run_lock import lock_run_dir
+from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
 from k3jax.training.trainer import _placed, _Saver, _StopRequest, clear_run_dir, start_state
 
@@ -191,7 +192,7 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     score_fn = make_score_fn(graphdef, cfg)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
-    log = RunLog(out, step=start)
+    log = RunLog(out, step=start, config=cfg)
 
     def use_weights(state) -> float:
         t = time.perf_counter()
@@ -208,9 +209,11 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
     saver = _Saver(mngr, cfg, graphdef, position, base)
     replay = replays(cfg)
+    profiler = StepProfiler(tc.profile, out)  # traces whole RL steps: rollout, scoring and updates
     try:
         with _StopRequest() as stop:
             while step < tc.steps and not stop.signum:
+                profiler.before(step + 1)
                 record = {}
                 transfer_s = use_weights(state)
                 t0 = time.perf_counter()
@@ -248,6 +251,7 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                         break
                 metrics = jax.device_get(metrics)
                 t4 = time.perf_counter()
+                profiler.after(step, state)
                 tokens = max(float(metrics["tokens"]), 1.0)
                 generated = sum(int(np.sum(c.trained)) if c.trained is not None else len(c.tokens)
                                 for c in completions)
@@ -268,10 +272,13 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                     log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
                 if step % tc.checkpoint_every == 0 or step == tc.steps or stop.signum:
                     saver.save(step, state)
+            profiler.close()
             saver.wait()
     except BaseException:
         bar.close()
         log.close()
+        with contextlib.suppress(Exception):
+            profiler.close()
         with contextlib.suppress(Exception):
             mngr.close()
         raise

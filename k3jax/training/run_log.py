@@ -1,4 +1,5 @@
-"""What a training run leaves in its run directory: ``metrics.jsonl``, TensorBoard events, ``loss.png``.
+"""What a training run leaves in its run directory: ``metrics.jsonl``, TensorBoard events, ``loss.png``;
+and, with ``train.wandb`` on, the same scalars in a Weights & Biases run (``k3jax/training/wandb_log.py``).
 
 ``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``expert_imbalance`` = ``{layer: max/mean expert load}``, ...) and one per
@@ -18,7 +19,9 @@ import pathlib
 import sys
 from typing import Any
 
+from k3jax.config import Config
 from k3jax.runtime import storage
+from k3jax.training.wandb_log import WandbRun
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -26,13 +29,14 @@ LOSS_PLOT = "loss.png"
 
 
 class RunLog:
-    """Appends records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard."""
+    """Appends records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard and W&B."""
 
     def __init__(self, run_dir: str | pathlib.Path, *, step: int, tensorboard: bool = True,
-                 enabled: bool = True):
+                 enabled: bool = True, config: Config | None = None):
         """``step``: the step the run starts from; records of later steps are dropped (their number is
         ``rolled_back``) and ``loss.png``, if there is one, is redrawn from what remains.
-        ``enabled=False``: write nothing (every process but the first of a multi-host run)."""
+        ``enabled=False``: write nothing (every process but the first of a multi-host run).
+        ``config``: the run's config; with ``train.wandb`` on, the records go to its W&B run too."""
         self.run_dir = storage.path(run_dir)
         self.rolled_back = _drop_records_after(self.run_dir, step) if enabled else 0
         if self.rolled_back and (self.run_dir / LOSS_PLOT).exists():
@@ -45,17 +49,22 @@ class RunLog:
             # purge_step: TensorBoard hides the events of steps >= it written before this writer
             self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR),
                                      purge_step=step + 1 if self.rolled_back else None)
+        self._wandb = None
+        if enabled and config is not None and config.train.wandb.enabled:
+            self._wandb = WandbRun(self.run_dir, config)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._jsonl is None:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        scalars = dict(_scalars(record))
         if self._tb is not None:
-            step = record["step"]
-            for name, value in _scalars(record):
-                self._tb.add_scalar(name, value, step)
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, record["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, record["step"])
 
     def roll_back(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a run that went back to its checkpoint ``step``)."""
@@ -70,7 +79,9 @@ class RunLog:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-        self._jsonl = self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+        self._jsonl = self._tb = self._wandb = None
 
 
 def _summary_writer():

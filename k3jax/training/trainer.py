@@ -2,7 +2,9 @@
 
 ``train.py`` is the command line around it. A run directory receives ``train.lock`` (held while
 the run is going, ``k3jax/training/run_lock.py``), ``config.yaml``, ``checkpoints/`` (``k3jax/training/checkpoint.py``),
-``metrics.jsonl``, ``tensorboard/`` and, at the end, ``loss.png`` (``k3jax/training/run_log.py``).
+``metrics.jsonl``, ``tensorboard/`` and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); with
+``train.wandb`` on, ``wandb_run_id`` (``k3jax/training/wandb_log.py``), with ``train.profile`` on, ``profile/``
+(``k3jax/training/profiling.py``).
 
 Resuming: the latest checkpoint of the run directory is restored (model, optimizer, data position);
 metrics logged past it by an abandoned continuation are dropped; a ``train.steps`` that would move
@@ -48,6 +50,7 @@ from k3jax.tokenizer import load_tokenizer
 from k3jax.inference.generate import generate
 from k3jax.optim import learning_rate_schedule
 from k3jax.training.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
+from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
 from k3jax.sharding import abstract_with_shardings, make_mesh, shard_batch, state_shardings, use_mesh
 from k3jax.training.step import (TrainState, abstract_train_state, expert_imbalance_layers, init_train_state,
@@ -376,7 +379,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     eval_fn = make_eval_step(graphdef, cfg) if tc.data.eval_fraction > 0 else None
     moe_layers = expert_imbalance_layers(cfg.model)
 
-    log = RunLog(out, step=start, enabled=main_process)
+    log = RunLog(out, step=start, enabled=main_process, config=cfg)
     if log.rolled_back:
         tqdm.write(f"dropped {log.rolled_back} metrics record(s) logged after step {start} "
                    f"(a continuation that was rolled back)")
@@ -406,12 +409,15 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     nonfinite: list[int] = []  # the current run of consecutive skipped steps
     rolled_back_to: set[int] = set()  # the checkpoints a rollback went back to (once each)
     skips_logged = 0
+    profiler = StepProfiler(tc.profile, out)
     try:
         with _StopRequest() as stop:
             stop_signal = _agreed_stop(stop.signum)
             while step < tc.steps and not stop_signal:
+                profiler.before(step + 1)
                 state, metrics = step_fn(state, next(batches))
                 step += 1
+                profiler.after(step, (state, metrics))
                 bar.update(1)
                 tokens_seen += float(metrics["tokens"])
                 stop_signal = _agreed_stop(stop.signum)  # once per step: every process stops after this one
@@ -449,12 +455,15 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
                 if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
                     saver.save(step, state)
                     saved_step = step
+            profiler.close()
             saver.wait()
     except BaseException:
         # a failed save, a divergence, a bad record, a second signal: what was saved stays, nothing waits
         # on a save that failed
         bar.close()
         log.close()
+        with contextlib.suppress(Exception):
+            profiler.close()
         with contextlib.suppress(Exception):
             mngr.close()
         raise
