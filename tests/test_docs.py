@@ -1,5 +1,6 @@
 """The commands the README and docs/ show are commands that work: every ``python train.py``, ``python
-infer.py`` and ``python -m k3jax.*`` line of their ``bash`` / ``sh`` / ``console`` blocks parses, each
+infer.py`` and ``python -m k3jax.*`` line of their ``bash`` / ``sh`` / ``console`` blocks (and of the
+code spans of their tables, such as the README's "I want to ..." table) parses, each
 ``--flag`` through that program's own argparse parser and each ``key=value`` override through the
 config loader (a real field, a valid value). A renamed flag or config key fails here, not for a reader.
 
@@ -29,6 +30,7 @@ from k3jax.sharding import parse_mesh
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|console)[ \t]*\n(.*?)^```", re.M | re.S)
+TABLE_COMMAND = re.compile(r"`((?:[A-Z_]+=\S+ )*python3? [^`]+)`")
 SCRIPTS = ("train.py", "infer.py")
 # Positional overrides that are model-only (``kda.chunk_size=16`` means ``model.kda.chunk_size=16``).
 MODEL_OVERRIDES = {"k3jax.convert"}
@@ -62,10 +64,18 @@ def shell_lines(markdown: str) -> list[tuple[int, str]]:
     return out
 
 
+def table_commands(markdown: str) -> list[tuple[int, str]]:
+    """(line number, command) of each ``python ...`` code span in a table row outside the code blocks
+    (the README's "I want to ..." table)."""
+    prose = re.sub(r"^```.*?^```", lambda block: "\n" * block.group(0).count("\n"), markdown, flags=re.M | re.S)
+    return [(i, span) for i, line in enumerate(prose.splitlines(), 1) if line.startswith("|")
+            for span in TABLE_COMMAND.findall(line)]
+
+
 def commands(markdown: str, page: str) -> list[Command]:
     """The k3jax commands of a page, one per ``&&`` / ``;`` / ``|`` / ``&`` separated part of a line."""
     out = []
-    for line_no, line in shell_lines(markdown):
+    for line_no, line in shell_lines(markdown) + table_commands(markdown):
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
         part: list[str] = []
@@ -196,19 +206,25 @@ python -m k3jax.params k3 model.moe.top_k=not-a-number
 ```python
 python train.py never=checked  # not a shell block
 ```
+
+| I want to ... | command |
+|---|---|
+| pre-train | `python train.py --config tiny train.batch=4` |
 """
 
 
 def test_a_renamed_key_or_flag_fails():
     found = commands(BROKEN_PAGE, "page.md")
     assert [(c.where, c.program) for c in found] == [("page.md:4", "train.py"), ("page.md:4", "train.py"),
-                                                    ("page.md:6", "infer.py"), ("page.md:7", "k3jax.params")]
+                                                    ("page.md:6", "infer.py"), ("page.md:7", "k3jax.params"),
+                                                    ("page.md:16", "train.py")]
     assert found[0].argv == ("--config", "tiny", "train.steps=5", "run_dir=runs/x")
     why = [problem(c) for c in found]
     assert why[0] is None
     assert "train.stepz: unknown key; did you mean train.steps?" in why[1]
     assert "unrecognized arguments: --max-tokens" in why[2]
     assert "model.moe.top_k: expected an integer" in why[3]
+    assert "train.batch: unknown key; did you mean train.batch_size?" in why[4]
 
 
 @pytest.mark.parametrize("line, program, argv", [

@@ -4,10 +4,12 @@ nests), with its type, its default and the comments its source gives it, as one 
 The documentation site renders this page at build time (``docs/hooks.py``), so the reference is the
 dataclasses themselves and cannot drift from them. A field's description is the comment block right
 above it plus its trailing comment, read from the source with ``tokenize`` (the dataclasses document
-their fields with comments, which leave no trace at run time)."""
+their fields with comments, which leave no trace at run time). ``python -m k3jax.config.reference``
+prints the page."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -142,4 +144,12 @@ def config_reference() -> str:
     return "\n".join(out)
 
 
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description="print the configuration reference (Markdown)").parse_args(argv)
+    print(config_reference())
+
+
 __all__ = ["FieldDoc", "config_reference", "fields_of", "sections"]
+
+if __name__ == "__main__":
+    main()
