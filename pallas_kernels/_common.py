@@ -1,5 +1,6 @@
-"""Small shared pieces of the Pallas kernels: output structs, manual-axis typing, compiler parameters,
-matmul precision (the backend / interpret rule is ``pallas_kernels.platform.resolve_backend``)."""
+"""Small shared pieces of the Pallas kernels: compiler parameters, block sizes, matmul precision (the
+backend / interpret rule is ``pallas_kernels.platform.resolve_backend``; manual-axis typing is
+``pallas_kernels.varying``)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,29 +8,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def out_struct(shape, dtype, like):
-    """A kernel's ``out_shape``: varying over the same manual mesh axes as ``like`` (an operand), so the
-    kernel can run inside ``jax.shard_map`` with its type checks on (a no-op outside one)."""
-    mat = getattr(jax.typeof(like), "mat", None)
-    if mat is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-
-def match_varying(x, like):
-    """``x`` made device-varying over the manual mesh axes ``like`` varies over (inside ``jax.shard_map``;
-    a no-op elsewhere). A ``custom_vjp`` must return cotangents of its inputs' types, so a weight shared
-    by all devices is made varying *before* the kernel and JAX sums its gradient over the devices."""
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _varying_axes(x) -> set:
-    t = jax.typeof(x)
-    mat = getattr(t, "mat", None)  # jax 0.10: ManualAxisType(varying=...); later releases: .vma
-    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
 
 
 def compiler_params(backend, dimension_semantics):

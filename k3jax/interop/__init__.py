@@ -2,7 +2,8 @@
 
 ``from k3jax.interop import from_hf, to_hf``. Modules: ``hf_config`` / ``hf_config_export`` (config.json
 read / written), ``hf_names`` (tensor names and orientations), ``hf_load`` / ``hf_export`` (the checkpoint
-directory), ``placement`` (device arrays), ``mxfp4``, ``compressed_tensors`` (INT4 pack-quantized) and ``safetensors_io`` (file formats).
+directory), ``placement`` (device arrays), ``mxfp4``, ``compressed_tensors`` (INT4 pack-quantized) and
+``safetensors_io`` (file formats).
 """
 
 from k3jax.interop.hf_config import HFConfigError, config_from_hf

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.saved_names import ATTENTION_RESIDUALS
-from pallas_kernels._common import match_varying
+from pallas_kernels.varying import match_varying
 
 
 def attention_mask(q_index: jax.Array, kv_index: jax.Array, q_segment_ids: jax.Array | None = None,

@@ -13,9 +13,10 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import out_struct, triton_params
+from pallas_kernels._common import triton_params
 from pallas_kernels.kda import _tiles
 from pallas_kernels.kda._gpu_layout import F32, SEG_COLS, head_cols, load_chunk, tile_rows
+from pallas_kernels.varying import out_struct
 
 INTRA = "intra"
 

@@ -4,8 +4,9 @@ fully parallel: two ``[C, *]`` matmuls per program."""
 
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import mm, out_struct, triton_params
+from pallas_kernels._common import mm, triton_params
 from pallas_kernels.kda._gpu_layout import head_cols
+from pallas_kernels.varying import out_struct
 
 OUTPUT = "output"
 

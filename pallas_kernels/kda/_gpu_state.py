@@ -15,9 +15,10 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import mm, out_struct, triton_params
+from pallas_kernels._common import mm, triton_params
 from pallas_kernels.kda._gpu_layout import F32, head_cols
 from pallas_kernels.kda._tiles import col
+from pallas_kernels.varying import out_struct
 
 STATE = "state"
 

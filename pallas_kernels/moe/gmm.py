@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import HIGHEST, match_varying, out_struct
+from pallas_kernels._common import HIGHEST
 from pallas_kernels.platform import resolve_backend
 from pallas_kernels.moe import gmm_gpu
+from pallas_kernels.varying import match_varying, out_struct
 
 F32 = jnp.float32
 DEFAULT_TILING = (128, 512, 512)  # (tm rows, tk contraction, tn output columns)
