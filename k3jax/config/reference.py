@@ -145,7 +145,8 @@ def config_reference() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description="print the configuration reference (Markdown)").parse_args(argv)
+    argparse.ArgumentParser(prog="python -m k3jax.config.reference",
+                            description="print the configuration reference (Markdown)").parse_args(argv)
     print(config_reference())
 
 
