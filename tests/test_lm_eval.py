@@ -4,7 +4,7 @@ prompts per request, 2 concurrent requests) and the in-process ``k3jax`` model, 
 per-choice log-likelihoods (1e-4 over a continuation's sum), greedy flags and accuracies of direct
 scoring: a plain forward + log_softmax of each context + choice. Also the in-process model's
 generation (== ``k3jax.generate``, greedy, cut at the stop string) and rolling log-likelihood, the
-task's items, and ``python -m k3jax.eval``'s arguments."""
+task's items, and ``python -m k3jax.evaluation``'s arguments."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_kjv_cloze_items():
 
 
 def test_eval_cli_arguments():
-    from k3jax.eval import with_defaults
+    from k3jax.evaluation.cli import with_defaults
 
     assert with_defaults(["--tasks", "kjv_cloze"], "/t") == ["--tasks", "kjv_cloze", "--model", "k3jax",
                                                              "--include_path", "/t"]

@@ -5,7 +5,7 @@
 - ``tasks/``: bundled tasks for ``--include_path`` (``kjv_cloze``: a multiple-choice task built from
   the bundled corpus); :data:`TASKS_DIR` is their directory.
 
-``python -m k3jax.eval`` runs lm-eval's command line with both (``k3jax/eval.py``).
+``python -m k3jax.evaluation`` runs lm-eval's command line with both (``cli``).
 """
 
 import pathlib

@@ -8,7 +8,7 @@ are scoring requests (``max_tokens=0``, the prompt's log-probabilities from the 
 strings. Requests are sorted by length so a prefill batch pads little.
 
 ``lm_eval --model k3jax`` needs this module imported (lm-eval 0.4.13 has no plug-in discovery):
-``python -m k3jax.eval ...`` is lm-eval's command line with it imported and the bundled tasks on
+``python -m k3jax.evaluation ...`` is lm-eval's command line with it imported and the bundled tasks on
 the include path; from Python, ``import k3jax.evaluation`` then ``lm_eval.simple_evaluate(model=
 "k3jax", model_args={"checkpoint": ...})``, or pass a ``K3JaxLM(model=..., tokenizer=...)``.
 """

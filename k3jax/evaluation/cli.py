@@ -1,8 +1,8 @@
-"""``python -m k3jax.eval``: lm-evaluation-harness's command line with the ``k3jax`` model registered
+"""``python -m k3jax.evaluation``: lm-evaluation-harness's command line with the ``k3jax`` model registered
 and the bundled tasks (``k3jax/evaluation/tasks``) on the include path; ``--model`` defaults to
 ``k3jax``. Every lm-eval argument works as in ``lm_eval``, e.g.::
 
-    python -m k3jax.eval --model_args checkpoint=runs/default --tasks kjv_cloze --batch_size 8 \\
+    python -m k3jax.evaluation --model_args checkpoint=runs/default --tasks kjv_cloze --batch_size 8 \\
         --log_samples --output_path out/
 
 (``--include_path DIR`` takes DIR's tasks instead of the bundled ones: lm-eval takes one path.)
@@ -40,7 +40,3 @@ def main(argv: list[str] | None = None) -> None:
         args = ["run", *with_defaults(args[1:], str(TASKS_DIR))]
     sys.argv = [sys.argv[0], *args]
     cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()
