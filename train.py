@@ -9,6 +9,11 @@ checkpoint and exits; the same command resumes. ``run_dir`` and ``train.data.sou
 (``gs://bucket/run``; ``k3jax/runtime/storage.py``).
 The training loop itself is ``k3jax.training.trainer.train``; this file is its command line.
 
+``--config DIR`` fine-tunes a model directory without a config written for it: a Hugging Face model
+(K3, Kimi K2 / DeepSeek-V3 layout, Kimi Linear) or a k3jax run or checkpoint directory gives the model
+section, ``train.init_from`` is DIR and the run goes to ``runs/<DIR's name>-finetune``; the rest is the
+defaults, overrides on top (``k3jax/interop/model_dir.py``).
+
 The run directory receives ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
 and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); ``train.lock`` keeps a second process out.
 
@@ -52,7 +57,8 @@ def _expand_aliases(overrides: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="config name (configs/<name>.yaml) or YAML path")
+    ap.add_argument("--config", default="tiny", help="config name (configs/<name>.yaml), YAML path, or a model "
+                    "directory to fine-tune (a Hugging Face model, a k3jax run or checkpoint directory)")
     ap.add_argument("--fresh", action="store_true", help="delete the run directory first instead of resuming")
     ap.add_argument("--reschedule", action="store_true",
                     help="on resume, accept the learning-rate jump of a changed train.steps (the schedule is "

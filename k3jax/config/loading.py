@@ -1,5 +1,7 @@
 """Configs from YAML and dotted ``key=value`` overrides, with strict key and type checking, and back
-to plain dicts. ``load_config("k3")`` reads ``configs/k3.yaml``; a path to any YAML file works too.
+to plain dicts. ``load_config("k3")`` reads ``configs/k3.yaml``; a path to any YAML file works too, and so
+does a model directory (a Hugging Face model, a k3jax run or checkpoint): the config that fine-tunes it
+(``k3jax/interop/model_dir.py``).
 Unknown keys, typos and inconsistent values fail at load time with a message that names the field
 (and suggests the closest valid name)."""
 
@@ -18,6 +20,7 @@ import yaml
 
 from k3jax.config.fields import ConfigError, check_choice, field_types
 from k3jax.config.run_config import Config
+from k3jax.runtime import storage
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "configs"
 
@@ -148,6 +151,8 @@ def resolve_path(name_or_path: str) -> pathlib.Path:
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
         return p
+    if len(p.parts) > 1:  # a path, not a config's name
+        raise ConfigError(f"{p} does not exist (expected a config YAML file or a model directory)")
     p = CONFIG_DIR / f"{name_or_path}.yaml"
     if not p.exists():
         names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
@@ -156,12 +161,19 @@ def resolve_path(name_or_path: str) -> pathlib.Path:
 
 
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load ``configs/<name>.yaml`` (or a YAML path) and apply dotted ``key=value`` overrides.
+    """Load ``configs/<name>.yaml`` (or a YAML path), or the config that fine-tunes a model directory (a
+    local directory or a URL: ``k3jax/interop/model_dir.py``), and apply dotted ``key=value`` overrides.
 
     A config may start with ``base: <name>`` to inherit another config and override some fields.
     """
-    data = _load_yaml(resolve_path(name_or_path))
-    data.setdefault("name", pathlib.Path(name_or_path).stem)
+    if storage.is_remote(name_or_path) or pathlib.Path(name_or_path).is_dir():
+        # above config/: it reads HF config.json and orbax checkpoints
+        from k3jax.interop.model_dir import directory_config
+
+        data = directory_config(name_or_path)
+    else:
+        data = _load_yaml(resolve_path(name_or_path))
+        data.setdefault("name", pathlib.Path(name_or_path).stem)
     data = merge_nested(_resolve_aliases(data), _resolve_aliases(parse_overrides(overrides)))
     cfg = _from_dict(Config, data, "")
     cfg.validate()

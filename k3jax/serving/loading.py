@@ -20,28 +20,14 @@ import pathlib
 import jax
 from flax import nnx
 
-from k3jax.runtime import storage
 from k3jax.training import checkpoint
 from k3jax.config import Config
+from k3jax.interop.model_dir import checkpoint_dir, is_hf_dir
 from k3jax.model import abstract_model
 from k3jax.tokenizer import load_tokenizer
 
 
 DTYPES = ("auto", "float32", "bfloat16")
-
-
-def checkpoint_dir(path: str | pathlib.Path):
-    """The checkpoint directory of ``path`` (a run directory's ``checkpoints/``, else ``path``): a
-    ``pathlib.Path``, or an ``etils.epath.Path`` for a URL."""
-    p = storage.path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"checkpoint path {p} does not exist")
-    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
-
-
-def is_hf_dir(path) -> bool:
-    """A Hugging Face model directory: config.json and safetensors weights."""
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def load_model(path: str | pathlib.Path, *, step: int | None = None, config: Config | None = None, mesh=None,
