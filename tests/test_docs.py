@@ -178,7 +178,16 @@ def _load(command: Command, namespace: argparse.Namespace, overrides: list[str])
     if command.program == "k3jax.aot" and namespace.mode == "rl" and namespace.config:  # rows from train.rl
         return rl_job(namespace.config, namespace.slice, parse_mesh(namespace.mesh), namespace.seq_len,
                       tuple(overrides)).load()
-    return load_config(getattr(namespace, "config", None) or "tiny", overrides)  # no config named (the aot PLAN): keys on tiny
+    config = getattr(namespace, "config", None)
+    if config is None or _placeholder_directory(config):  # the aot PLAN, or /path/Kimi-K3: the keys checked on tiny
+        config = "tiny"
+    return load_config(config, overrides)
+
+
+def _placeholder_directory(config: str) -> bool:
+    """A model directory or bucket that only the reader has (``--config /path/Kimi-Linear-48B``, ``gs://...``,
+    a run the docs trained earlier, such as ``runs/default``): its model section cannot be read here."""
+    return "://" in config or ("/" in config and not config.endswith((".yaml", ".yml")))
 
 
 def documented_commands() -> list[Command]:
