@@ -92,10 +92,10 @@ class WandbConfig:
     # off: no W&B; online: stream to the server (``wandb login`` or WANDB_API_KEY); offline: write the W&B
     # run under WANDB_DIR (default ./wandb) for a later ``wandb sync``
     mode: Literal["off", "online", "offline"] = "off"
-    project: str = "k3jax"
-    entity: str = ""  # "": the account's default entity
+    project: str = "k3jax"  # the W&B project the run is logged to
+    entity: str = ""  # the W&B user or team; "": the account's default entity
     name: str = ""  # the run's display name; "": the run directory's name
-    tags: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()  # W&B tags of the run, e.g. [sft, lora]
 
     @property
     def enabled(self) -> bool:
@@ -104,9 +104,9 @@ class WandbConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
-    """A ``jax.profiler`` trace of a few training steps, written to ``<run_dir>/profile/`` (open it with
-    ``tensorboard --logdir <run_dir>/profile`` and its profile plugin, or the ``.xplane.pb`` in Perfetto /
-    XProf; ``k3jax/training/profiling.py``)."""
+    """A ``jax.profiler`` trace of a few training steps (of an RL run: whole steps, rollout, scoring and
+    updates), written to ``<run_dir>/profile/`` (open it with ``tensorboard --logdir <run_dir>/profile`` and
+    its profile plugin, or the ``.xplane.pb`` in Perfetto / XProf; ``k3jax/training/profiling.py``)."""
 
     first_step: int = 0  # the first traced step (steps count from 1, as in metrics.jsonl); 0: no trace
     steps: int = 3  # how many steps from first_step are traced (the first step compiles: start after it)
