@@ -1,8 +1,8 @@
 """The OpenAI-compatible server (k3jax/serving) on a real uvicorn server on 127.0.0.1, talked to with
 the ``openai`` client: concurrent greedy requests == each request alone through ``k3jax.generate``;
 a client leaving mid-stream frees its row without disturbing the others; bad input -> 400 naming
-the field while the server keeps serving; no compile as requests come and go; the same on 4 fake
-CPU devices (a subprocess). Also the pieces: moving cache slots, per-row sampling, stop strings."""
+the field while the server keeps serving; no compile as requests come and go; a profile of the next
+engine steps (POST /start_profile); the same on 4 fake CPU devices (a subprocess). Also the pieces: moving cache slots, per-row sampling, stop strings."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from k3jax.cache import first_rows, put_first_rows, shift_slots, write_row
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.inference.sampling import sample_logits
 from k3jax.serving.engine import Engine
+from k3jax.serving.profiling import StepProfiler
 from k3jax.serving.sampling import sample_rows
 from k3jax.serving.text import TextStream
 
@@ -63,16 +64,16 @@ def wait_until_serving(proc: subprocess.Popen, url: str, *, timeout_s: float, po
 
 
 @contextlib.contextmanager
-def running_server(engine: Engine, model_name: str = "tiny", tokenizer=None):
-    """A uvicorn server of ``engine`` (with ``tokenizer``, default bytes) on 127.0.0.1 (free port) in a
-    thread; yields the base URL."""
+def running_server(engine: Engine, model_name: str = "tiny", tokenizer=None, **options):
+    """A uvicorn server of ``engine`` (with ``tokenizer``, default bytes; ``options``: create_app's) on
+    127.0.0.1 (free port) in a thread; yields the base URL."""
     import uvicorn
 
     from k3jax.serving.api import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, tokenizer or ByteTokenizer(), model_name)
+    app = create_app(engine, tokenizer or ByteTokenizer(), model_name, **options)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -280,10 +281,12 @@ def small_model():
 
 # --- tests -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def served():
+def served(tmp_path_factory):
     model = small_model()
     engine = Engine(model, max_batch=MAX_BATCH, max_len=MAX_LEN, prefill_chunk=CHUNK, max_queue=16)
-    with running_server(engine) as url:
+    profiler = StepProfiler(tmp_path_factory.mktemp("profile"))  # as server.serve sets it up
+    engine.step_scope = profiler.step
+    with running_server(engine, profiler=profiler) as url:
         yield url, model, engine
 
 
@@ -335,6 +338,29 @@ def test_api_surface(served):
     for name in ("requests_total", "queue_length", "active_slots", "prompt_tokens_per_second",
                  "generation_tokens_per_second", "time_to_first_token_seconds_count", "xla_compiles_total"):
         assert f"k3jax_{name}" in text
+
+
+def test_profile_traces_the_next_engine_steps(served):
+    """POST /start_profile {"num_steps": N}: a jax.profiler trace of the engine's next N steps, written once
+    they have run, naming the engine's programs; one at a time."""
+    url, _, _ = served
+
+    def status():
+        return json.loads(urllib.request.urlopen(url + "/profile", timeout=30).read())
+
+    assert status()["state"] == "idle"
+    code, body, _ = post(url, "/start_profile", {"num_steps": 3})
+    assert code == 200 and body["status"] == "scheduled" and body["num_steps"] == 3, body
+    assert status()["state"] == "scheduled"  # an idle engine runs no step: the trace waits for a request
+    code, body, _ = post(url, "/start_profile", {"num_steps": 3})
+    assert code == 409 and "already" in body["error"]["message"]
+    assert post(url, "/start_profile", {"num_steps": 0})[0] == 400
+    client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=6, temperature=0)
+    wait_for(lambda: status()["state"] == "idle")
+    traces = status()["traces"]
+    assert len(traces) == 1 and traces[0].endswith(".xplane.pb"), traces
+    data = pathlib.Path(traces[0]).read_bytes()
+    assert b"jit_decode" in data and b"jit_prefill" in data  # the engine's programs, by their jit names
 
 
 def test_queue_full_is_503_with_retry_after(served, monkeypatch):

@@ -13,6 +13,7 @@
 - ``api_schemas``: the OpenAI request bodies and the error body; ``replies``: the response bodies;
 - ``transport``: request bodies under a size limit, the drain on shutdown, event streams that cancel;
 - ``metrics``: Prometheus counters, gauges and the time-to-first-token histogram;
+- ``auth``: the API key (``--api-key``); ``profiling``: ``jax.profiler`` traces of the engine's next steps;
 - ``server``: command-line options and the uvicorn start (process 0; the other processes follow).
 """
 

@@ -41,6 +41,11 @@ closed. :meth:`Drain.drain` (the server calls it on SIGTERM / SIGINT) answers ne
 (``Retry-After``, ``Connection: close``) while the running requests finish; those still running at
 its deadline end with ``finish_reason: "abort"`` (streams: a last chunk with it, then ``[DONE]``).
 
+With an API key (``create_app(api_key=...)``; ``k3jax.serving.auth``) every request but ``/health`` must
+send ``Authorization: Bearer <key>`` (else 401). SGLang's ``POST /start_profile`` (``{"num_steps": N}``,
+default 10) traces the engine's next N steps with ``jax.profiler`` (``k3jax.serving.profiling``; 409 while
+one is scheduled or running); ``GET /profile`` says where it stands and lists the traces written.
+
 This module holds the app and its handlers; the request bodies and the error body are
 ``k3jax.serving.api_schemas``'s, the response bodies ``k3jax.serving.replies``', the body limit, the
 drain and the event streams ``k3jax.serving.transport``'s.
@@ -59,11 +64,13 @@ from fastapi.responses import PlainTextResponse
 
 from k3jax.data.chat import reply_stop_ids
 from k3jax.serving.api_schemas import (UNSUPPORTED, BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_response, param_path)
+                                       ProfileRequest, TokenizeRequest, error_response, param_path)
 from k3jax.serving.assistant_reply import forced_prefix
+from k3jax.serving.auth import RequireApiKey
 from k3jax.serving.engine import Engine, QueueFull
 from k3jax.serving.logprob_fields import CompletionLogprobs
 from k3jax.serving.logprobs import MAX_LOGPROBS
+from k3jax.serving.profiling import StepProfiler
 from k3jax.serving.replies import Channel, Choice, Reply, Turn
 from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.serving.text import TextStream, chat_prompt
@@ -75,9 +82,12 @@ IDLE_TIMEOUT_S = 60.0
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES,
-               idle_timeout_s: float = IDLE_TIMEOUT_S) -> FastAPI:
+               idle_timeout_s: float = IDLE_TIMEOUT_S, api_key: str | None = None,
+               profiler: StepProfiler | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started and stopped with the app); ``app.state.drain`` is its
-    :class:`Drain`."""
+    :class:`Drain`. ``api_key``: every request but ``/health`` must carry it (``k3jax.serving.auth``);
+    ``profiler``: ``POST /start_profile`` schedules a trace of the engine's next steps with it (it must be
+    the engine's ``step_scope``), ``GET /profile`` tells where it stands."""
     drain = Drain()
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -87,6 +97,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
 
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.drain = drain
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     created = int(time.time())
 
     @app.get("/health")
@@ -125,10 +137,29 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_body_bytes: in
             return {"prompt": tokenizer.decode(req.tokens)}
         return await _simple(request, DetokenizeRequest, run)
 
-    async def _simple(request: Request, schema, run):
-        """Validate a JSON body against ``schema`` and answer ``run(request)`` (400 naming the field)."""
+    if profiler is not None:
+        @app.post("/start_profile")
+        async def start_profile(request: Request):
+            async def run(req: ProfileRequest):
+                try:
+                    profiler.schedule(req.num_steps)
+                except ValueError as e:
+                    raise BadRequest(str(e), "num_steps") from None
+                except RuntimeError as e:
+                    raise BadRequest(str(e), None, 409) from None
+                return {"status": "scheduled", "num_steps": req.num_steps, "output_dir": str(profiler.directory)}
+            return await _simple(request, ProfileRequest, run, empty_ok=True)
+
+        @app.get("/profile")
+        async def profile():
+            return {"state": profiler.state, "output_dir": str(profiler.directory), "traces": profiler.traces}
+
+    async def _simple(request: Request, schema, run, empty_ok: bool = False):
+        """Validate a JSON body against ``schema`` and answer ``run(request)`` (400 naming the field;
+        ``empty_ok``: no body is ``{}``)."""
         try:
-            return await run(schema.model_validate(json.loads(await read_body(request, max_body_bytes))))
+            body = await read_body(request, max_body_bytes)
+            return await run(schema.model_validate(json.loads(body) if body or not empty_ok else {}))
         except PayloadTooLarge as e:
             return error_response(413, str(e), kind="payload_too_large")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -107,6 +107,10 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class ProfileRequest(_Strict):
+    num_steps: int = 10  # the engine steps to trace (SGLang's field)
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)

@@ -70,6 +70,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,9 @@ class Engine:
         # step page-faults its temporaries in afresh (~20 ms of a 60 ms decode step at batch 32 on `small`).
         self._sets_host_memory = False
         self._seeds = itertools.count(int.from_bytes(os.urandom(4), "little"))
+        # Entered around each iteration of the engine thread's loop: a profiler's hook
+        # (k3jax.serving.profiling.StepProfiler.step traces the next N steps).
+        self.step_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _build(self, model: K3Model):
         graphdef, self._state = nnx.split(model)
@@ -319,7 +323,8 @@ class Engine:
                     if schedule.stop:
                         break
                     if busy or self._queue:
-                        self._iteration()
+                        with self.step_scope():
+                            self._iteration()
                 except Exception as error:  # a failed device call (or a lost process): fail what is in flight
                     log.exception("engine step failed; failing the requests in flight")
                     if self.prefix_cache is not None:  # a failed computation may have left poisoned snapshots

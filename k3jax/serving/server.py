@@ -2,7 +2,9 @@
 
 SIGTERM / SIGINT drain the server (``transport.Drain``): new requests get 503 while the running ones finish,
 for up to ``--drain-timeout`` seconds; those left then end with ``finish_reason: "abort"``, and the
-server exits. A second SIGINT exits at once.
+server exits. A second SIGINT exits at once. ``--api-key`` (or ``$K3JAX_API_KEY``) makes every request but
+``/health`` need the key; ``--profile-steps N`` traces the engine's first N steps into ``--profile-dir``, and
+``POST /start_profile`` the next ones (``k3jax.serving.profiling``).
 
 Several hosts (``jax.process_count() > 1``; ``infer.py --serve`` started with the same command on
 each, as ``train.py``): the model and the engine's device programs span every process's devices.
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
 import jax
 
 from k3jax.serving.engine import Engine
+from k3jax.serving.profiling import StepProfiler
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -55,6 +59,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-idle-timeout", type=float, default=60.0, help="seconds a stream may wait for its "
                    "client to read before it is cancelled (its cache rows freed)")
     g.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
+    g.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY") or None, help="requests must send "
+                   "'Authorization: Bearer KEY' (else 401); /health stays open (default: $K3JAX_API_KEY; none)")
+    g.add_argument("--profile-dir", default="profile", help="where jax.profiler traces of the engine's steps go "
+                   "(POST /start_profile {\"num_steps\": N} traces the next N; TensorBoard's profile plugin or "
+                   "Perfetto reads them)")
+    g.add_argument("--profile-steps", type=int, default=0, help="trace the engine's first N steps after its "
+                   "warm-up into --profile-dir (0: none)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -67,15 +78,21 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def serve(model, tokenizer, args: argparse.Namespace, *, name: str, mesh=None) -> None:
     """Run the server until interrupted."""
+    if args.profile_steps < 0:
+        raise SystemExit(f"error: --profile-steps must be >= 0, got {args.profile_steps}")
     try:
         engine = Engine(model, mesh=mesh, **engine_options(args))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if jax.process_index() != 0:
         return follow(engine)
+    profiler = StepProfiler(args.profile_dir)
+    engine.step_scope = profiler.step
+    if args.profile_steps:
+        profiler.schedule(args.profile_steps)
     run_server(engine, tokenizer, args.model_name or name, host=args.host, port=args.port,
                drain_timeout_s=args.drain_timeout, idle_timeout_s=args.stream_idle_timeout,
-               max_body_bytes=args.max_body_bytes)
+               max_body_bytes=args.max_body_bytes, api_key=args.api_key, profiler=profiler)
 
 
 def follow(engine: Engine) -> None:
@@ -94,13 +111,15 @@ def follow(engine: Engine) -> None:
 
 
 def run_server(engine, tokenizer, name: str, *, host: str, port: int, drain_timeout_s: float,
-               idle_timeout_s: float, max_body_bytes: int, log_level: str = "info") -> None:
+               idle_timeout_s: float, max_body_bytes: int, log_level: str = "info", api_key: str | None = None,
+               profiler: StepProfiler | None = None) -> None:
     """Serve ``engine``'s API with uvicorn until a signal has drained it (module docstring)."""
     import uvicorn
 
     from k3jax.serving.api import create_app  # FastAPI only where a server runs
 
-    app = create_app(engine, tokenizer, name, idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes)
+    app = create_app(engine, tokenizer, name, idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes,
+                     api_key=api_key, profiler=profiler)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, whose first exit signal drains the app before uvicorn's own shutdown starts."""
