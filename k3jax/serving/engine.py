@@ -80,7 +80,7 @@ from flax import nnx
 from k3jax.cache import cache_bytes
 from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
-from k3jax.serving.logprobs import MAX_LOGPROBS, TokenLogprobs, read_logprobs
+from k3jax.serving.logprobs import MAX_LOGPROBS, read_logprobs
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefill import Prefill, piece_widths, plan_pieces
 from k3jax.serving.prefix_cache import PrefixCache
@@ -464,9 +464,9 @@ class Engine:
         job.done += 1
         if job.done == len(job.pieces):
             if job.scores:
-                self._set_prompt_logprobs(job)
+                job.set_prompt_logprobs()
             if self.record_routes:
-                self._set_prompt_routes(job)
+                job.set_prompt_routes()
             for src_row, seq in enumerate(job.seqs):
                 if seq is None:
                     continue
@@ -476,33 +476,6 @@ class Engine:
                 else:
                     self._insert(job, src_row)
             self._prefill = None
-
-    def _set_prompt_logprobs(self, job: Prefill):
-        """Each scoring request's ``prompt_logprobs`` from the pieces' outputs: prompt token t's entry
-        comes from the position before it (its first token has none). Scoring rows have no cached
-        prefix: every position ran in some piece."""
-        scored = [tuple(np.asarray(a) for a in arrays) for arrays in job.scored]  # (own, top, ids) per piece
-        for row, seq in enumerate(job.seqs):
-            if seq is None or not seq.params.prompt_logprobs:
-                continue
-            k, n = seq.params.logprobs or 0, len(seq.prompt)
-            entries: list[TokenLogprobs | None] = [None] * n
-            for piece, (own, top, ids) in zip(job.pieces, scored):
-                a = piece.starts[row]
-                for q in range(piece.tokens.shape[1] if a >= 0 else 0):
-                    if a + q + 1 < n:
-                        entries[a + q + 1] = read_logprobs(own[row, q], top[row, q], ids[row, q], k)
-            seq.prompt_logprobs = entries
-
-    def _set_prompt_routes(self, job: Prefill):
-        """Each request's ``prompt_routes`` ``[n, M, k]`` from the pieces' routes (no cached prefix when
-        recording: every prompt position ran in some piece)."""
-        routes = [np.asarray(r) for r in job.routes]  # per piece [R, W, M, k]
-        for row, seq in enumerate(job.seqs):
-            if seq is None:
-                continue
-            parts = [(piece.starts[row], r[row]) for piece, r in zip(job.pieces, routes) if piece.starts[row] >= 0]
-            seq.prompt_routes = np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])], axis=0)
 
     def _insert(self, job: Prefill, src_row: int):
         seq = job.seqs[src_row]

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from k3jax.serving.logprobs import TokenLogprobs, read_logprobs
 from k3jax.serving.request import Sequence
 
 
@@ -61,7 +62,8 @@ def plan_pieces(prompts: list[list[int]], done: list[int], rows: int, widths: li
 
 @dataclasses.dataclass
 class Prefill:
-    """A prefill in progress: its requests, their pieces, its cache and the pieces' outputs so far."""
+    """A prefill in progress: its requests, their pieces, its cache and the pieces' outputs so far, which
+    become its requests' prompt log-probabilities and routes once the last piece has run."""
     seqs: list[Sequence | None]  # row i of the prefill batch is seqs[i] (None: cancelled, still computed)
     prompts: list[list[int]]  # their prompts
     pieces: list[Piece]
@@ -72,3 +74,30 @@ class Prefill:
     done: int = 0  # pieces run so far
     scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
     routes: list = dataclasses.field(default_factory=list)  # per piece (record_routes): [R, W, M, k]
+
+    def set_prompt_logprobs(self) -> None:
+        """Each scoring request's ``prompt_logprobs`` from the pieces' outputs: prompt token t's entry
+        comes from the position before it (its first token has none). Scoring rows have no cached
+        prefix: every position ran in some piece."""
+        scored = [tuple(np.asarray(a) for a in arrays) for arrays in self.scored]  # (own, top, ids) per piece
+        for row, seq in enumerate(self.seqs):
+            if seq is None or not seq.params.prompt_logprobs:
+                continue
+            k, n = seq.params.logprobs or 0, len(seq.prompt)
+            entries: list[TokenLogprobs | None] = [None] * n
+            for piece, (own, top, ids) in zip(self.pieces, scored):
+                a = piece.starts[row]
+                for q in range(piece.tokens.shape[1] if a >= 0 else 0):
+                    if a + q + 1 < n:
+                        entries[a + q + 1] = read_logprobs(own[row, q], top[row, q], ids[row, q], k)
+            seq.prompt_logprobs = entries
+
+    def set_prompt_routes(self) -> None:
+        """Each request's ``prompt_routes`` ``[n, M, k]`` from the pieces' routes (no cached prefix when
+        recording: every prompt position ran in some piece)."""
+        routes = [np.asarray(r) for r in self.routes]  # per piece [R, W, M, k]
+        for row, seq in enumerate(self.seqs):
+            if seq is None:
+                continue
+            parts = [(piece.starts[row], r[row]) for piece, r in zip(self.pieces, routes) if piece.starts[row] >= 0]
+            seq.prompt_routes = np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])], axis=0)
