@@ -50,7 +50,7 @@ from k3jax.inference.generate import generate
 from k3jax.serving.loading import DTYPES, checkpoint_dir, load_checkpoint_tokenizer, load_model, weight_bytes_line
 from k3jax.serving.server import add_arguments as add_serve_arguments
 from k3jax.serving.server import serve
-from k3jax.sharding import make_mesh, parse_mesh, use_mesh
+from k3jax.sharding import SERVING_DECODE, TRAINING, make_mesh, parse_mesh, use_mesh
 from pallas_kernels.platform import target_platform
 
 DEFAULT_RUN = pathlib.Path("runs/default")
@@ -168,9 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     if target_platform(mesh) == "cpu":
         jax.config.update("jax_disable_most_optimizations", True)  # see train.py: compile time on CPU
     ckpt = _checkpoint_dir(args.checkpoint)
+    # The server's engine decodes in the serving layout (k3jax/sharding.py): the weights load straight into it,
+    # each device reading its own shards. One-shot generation is one program, prefill and decode, in training's.
+    layout = SERVING_DECODE if args.serve else TRAINING
     try:  # a LoRA run's or --lora's adapters come merged: decoding reads the merged weights (no extra matmuls)
-        model, cfg = load_model(ckpt, step=args.step, config=expected, mesh=placement, lora=args.lora,
-                                dtype=args.dtype)
+        with layout.active():
+            model, cfg = load_model(ckpt, step=args.step, config=expected, mesh=placement, lora=args.lora,
+                                    dtype=args.dtype)
         if tokenizer is None:
             tokenizer = load_checkpoint_tokenizer(ckpt, cfg)
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:

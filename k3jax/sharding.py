@@ -14,7 +14,9 @@ to the active table: :data:`DEFAULT_RULES`, or the one :func:`axis_rules` sets a
 
 Rule semantics (MaxText's convention, made shape-aware): a rule lists candidates, each one mesh axis
 or a tuple of them; the first candidate that still has a usable axis wins, where usable means of size
-> 1 and not already taken by an earlier dimension of the same array. Of a tuple, the free axes are
+> 1 and not already taken by another dimension of the same array that claimed it first: dimensions claim
+in the order their names appear in the table (so a name listed later is a fallback, as ``embed`` in the
+serving tables, split where the heads do not divide the devices). Of a tuple, the free axes are
 used, trailing ones dropped until their product divides the dimension. So ``embed -> (fsdp, sequence, expert)``
 shards dense weights over every data-parallel device (FSDP over the sequence and expert axes too,
 which full K3 needs to fit), while in a routed-expert weight ``expert`` has already taken the expert
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from typing import Any, Sequence
@@ -95,6 +98,9 @@ DEFAULT_RULES: Rules = (
     # first), so one long row with fewer rows than data-parallel devices still puts distinct tokens on
     # each device (k3jax/parallel/sequence.py runs its token-mixing ops over the same axes).
     ("length", (("data", "fsdp", "expert", "sequence"),)),
+    # A decoding cache's rows (MLA's latent cache): as the batch in training's layout; the serving layout
+    # (SERVING_DECODE) splits them where the decode batch's activations stay whole.
+    ("cache_batch", (("data", "fsdp", "expert"),)),
     # A decoding cache's slots: split over every axis the (often tiny) decode batch leaves free, so a
     # single 1M-token sequence is spread over the whole slice.
     ("cache_length", (("sequence", "data", "fsdp", "expert", "tensor"),)),
@@ -131,6 +137,65 @@ WEIGHT_USE_RULES: Rules = (
     ("expert", ("expert",)),
     ("expert_mlp", ("tensor",)),
 )
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The two tables of one kind of program: ``rules`` (storage and activations) and ``weight_use`` (the
+    layout a weight is gathered to at use, :func:`gather_weight`)."""
+
+    name: str
+    rules: Rules
+    weight_use: Rules
+
+    def active(self):
+        """A ``with`` block in which this layout's tables are the active ones (:func:`axis_rules`)."""
+        return axis_rules(self.rules, self.weight_use)
+
+
+# Training: FSDP storage, weights gathered at use, the batch and the time axis split over the data axes.
+TRAINING = Layout("training", DEFAULT_RULES, WEIGHT_USE_RULES)
+
+# The serving layout (decode and prefill share the weights' storage). A decode step carries a few tokens
+# per row: gathering an FSDP-stored weight for them moves the weight over the network every step
+# (110.9 GB per device and step for full K3 on v5p-64, docs/scale.md). Instead each weight is stored once,
+# split over every device along a dimension its use keeps split (tensor parallelism over the whole
+# slice: heads, FFN and latent columns, vocabulary; expert parallelism for the routed experts), so a step
+# reads its shard from local HBM and moves only activations: the partial sums of row-parallel
+# projections (all-reduced), the tokens of the expert exchange, the queries of the attention. Norms, the
+# short convolutions and KDA's low-rank gate up-projections are replicated (a few MB per layer of K3).
+MODEL_PARALLEL = (MESH_AXES,)  # one candidate: every mesh axis, trailing ones dropped until the dimension divides
+SERVING_WEIGHT_RULES: Rules = (
+    ("vocab", MODEL_PARALLEL),
+    ("heads", MODEL_PARALLEL),
+    ("mlp", MODEL_PARALLEL),
+    ("latent", MODEL_PARALLEL),
+    ("expert", MODEL_PARALLEL),
+    # Fallbacks, claimed after the names above: the model dimension of a weight with no such dimension or one
+    # that does not divide the devices (K3's 96 heads over 64: row-parallel, the partial sums all-reduced),
+    # then MLA's latent ranks (q_b / kv_b where their heads do not divide).
+    ("embed", MODEL_PARALLEL),
+    ("q_lora", MODEL_PARALLEL),
+    ("kv_lora", MODEL_PARALLEL),
+    *((name, ()) for name in ("expert_in", "expert_mlp", "layers", "head_dim", "gate_rank", "conv", "norm")),
+)
+# Decode: the batch's activations whole on every device (a few KB per token), the MLA cache's rows split
+# over the devices (each attends its own rows with every head: the queries move, not the cache), its slots
+# over what the rows leave (one long sequence: flash-decoding, k3jax/parallel/cache_attention.py); KDA's
+# states split by head as its projections are. Nothing is gathered at use.
+SERVING_DECODE_RULES: Rules = (("batch", ()), ("length", ()), ("cache_batch", MODEL_PARALLEL),
+                               ("cache_length", MODEL_PARALLEL), *SERVING_WEIGHT_RULES)
+SERVING_DECODE = Layout("serving decode", SERVING_DECODE_RULES, SERVING_DECODE_RULES)
+# Prefill: a chunk of many tokens per row is compute-bound, so it keeps training's activation layout
+# (tokens split over the slice) and gathers each dense weight at use as training does (once per chunk);
+# the routed experts stay where they are stored.
+SERVING_PREFILL = Layout(
+    "serving prefill",
+    (*((n, r) for n, r in DEFAULT_RULES if n in ("batch", "length", "cache_batch", "cache_length")),
+     *SERVING_WEIGHT_RULES),
+    (*((n, r) for n, r in WEIGHT_USE_RULES if n != "expert"), ("expert", MODEL_PARALLEL)))
+LAYOUTS = {"training": (TRAINING, TRAINING), "serving": (SERVING_DECODE, SERVING_PREFILL)}  # (decode, prefill)
 
 # The active tables (axis_rules): read at trace time, like the mesh of jax.set_mesh.
 _ACTIVE: contextvars.ContextVar[tuple[Rules, Rules]] = contextvars.ContextVar(
@@ -173,10 +238,10 @@ CACHE_AXES: dict[type, tuple[tuple[str | None, ...], ...]] = {
                ("batch", "conv", "heads"),  # conv_q [B, W-1, H*K]: the flat channel axis is head-major
                ("batch", "conv", "heads"),
                ("batch", "conv", "heads")),
-    MLACache: (("batch", "cache_length", "kv_lora"),  # ckv [B, S, r]
-               ("batch", "cache_length", None)),  # k_rope [B, S, R]
+    MLACache: (("cache_batch", "cache_length", "kv_lora"),  # ckv [B, S, r]
+               ("cache_batch", "cache_length", None)),  # k_rope [B, S, R]
 }
-_CACHE_SCALARS = {"length": (), "positions": ("batch",), "valid": ("batch", "cache_length")}
+_CACHE_SCALARS = {"length": (), "positions": ("cache_batch",), "valid": ("cache_batch", "cache_length")}
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
@@ -219,9 +284,12 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None, mesh
     Without ``mesh`` every named axis counts as usable; without ``shape`` divisibility is not checked.
     """
     table = dict(current_rules() if rules is None else rules)
+    rank = {name: r for r, name in enumerate(table)}
     used: set[str] = set()
-    out = []
-    for i, name in enumerate(axes):
+    out: list = [None] * len(axes)
+    # the dimensions claim mesh axes in the order of their names in the table (a fallback name listed later)
+    for i in sorted(range(len(axes)), key=lambda i: (rank.get(axes[i], len(rank)), i)):
+        name = axes[i]
         chosen: tuple[str, ...] = ()
         for cand in table.get(name, ()) if name is not None else ():
             group = [a for a in (cand if isinstance(cand, tuple) else (cand,))
@@ -233,7 +301,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None, mesh
                 chosen = tuple(group)
                 break
         used.update(chosen)
-        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+        out[i] = None if not chosen else chosen[0] if len(chosen) == 1 else chosen
     return P(*out)
 
 
@@ -324,6 +392,22 @@ def constrain_activation(x: jax.Array, axes: Sequence[str | None], rules: Rules 
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules, mesh, x.shape))
+
+
+def keep_split(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` constrained on the dimensions that weights are used split along (its logical ``axes`` under the
+    active layout-at-use table), the others left to GSPMD; identity when none is split, without a mesh or
+    inside ``shard_map``. For the output of a projection whose weight is used split along that dimension
+    (the serving decode layout's latent MoE projections): a consumer that wants the tokens split (the
+    expert exchange) otherwise pulls its layout back through the matmul, and GSPMD gathers the weight
+    (every step) instead of moving the activation."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    spec = logical_to_spec(axes, current_weight_use_rules(), mesh, x.shape)
+    if all(entry is None for entry in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*(P.UNCONSTRAINED if e is None else e for e in spec)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

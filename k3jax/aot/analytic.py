@@ -284,6 +284,43 @@ def step_flops(cfg: Config, tokens: int, seq_len: int, mode: Mode = "train") -> 
     return out
 
 
+def step_read_bytes(cfg: Config, batch: int, seq_len: int, new_tokens: int) -> dict[str, float]:
+    """The bytes a decode or prefill step must read from HBM, all devices (its lower bound of HBM traffic):
+    ``batch`` rows of ``new_tokens`` tokens each against a cache of ``seq_len`` slots. Read off the abstract
+    model's and cache's leaves, so storage formats count as stored (MXFP4 codes and scales, bf16 weights):
+
+    - ``weights``: every weight but the routed experts and the input embedding, whole (a step multiplies
+      each token through it);
+    - ``embedding``: the looked-up rows only;
+    - ``experts``: the routed experts the step's tokens select: per MoE layer, ``E (1 - (1 - k / E)^N)``
+      distinct experts are expected among N tokens choosing ``k`` of ``E`` uniformly (Quantile Balancing
+      keeps the loads near uniform);
+    - ``cache``: the whole decoding cache (MLA's latent over every slot; KDA's states and conv tails)."""
+    import jax  # noqa: PLC0415 - only this needs the model
+    from flax import nnx  # noqa: PLC0415
+
+    from k3jax.model import abstract_model  # noqa: PLC0415
+
+    model = abstract_model(cfg.model)
+    m = cfg.model.moe
+    tokens = batch * new_tokens
+    touched = 1.0 - (1.0 - m.top_k / m.num_experts) ** tokens if m.num_experts else 0.0
+    out = {"weights": 0.0, "embedding": 0.0, "experts": 0.0}
+    for var in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        axes = tuple(var.get_metadata().get("out_sharding") or ())
+        value = var.get_raw_value()
+        size = math.prod(value.shape) * value.dtype.itemsize
+        if "expert_in" in axes:
+            out["experts"] += size * touched
+        elif axes[-2:] == ("vocab", "embed"):
+            out["embedding"] += size * min(1.0, tokens / value.shape[-2])
+        else:
+            out["weights"] += size
+    cache = jax.eval_shape(lambda: model.init_cache(batch, seq_len))
+    out["cache"] = float(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+    return out
+
+
 def newton_schulz_flops(cfg: Config) -> float:
     """FLOPs of the optimizer's Newton-Schulz iterations in one step, over all devices.
 

@@ -17,7 +17,7 @@ from k3jax.aot.plan import PLAN, Job, rl_job
 from k3jax.aot.report import breakdown_report, gib, mesh_text, rl_report, table, verdict
 from k3jax.aot.slices import V5P_SHAPES, TpuSlice
 from k3jax.config import ConfigError, load_config
-from k3jax.sharding import parse_mesh
+from k3jax.sharding import LAYOUTS, parse_mesh
 
 
 def _compile_on_cpu() -> None:
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
                     "(default train.seq_len; the rollout's cache has one slot more)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill: prompt tokens per row and call, written "
                     "into the cache at a traced position (default: the whole context in one call)")
+    ap.add_argument("--layout", choices=tuple(LAYOUTS), help="decode, prefill: the weights' and caches' layout "
+                    "(k3jax/sharding.py; default serving: weights split once over the slice, nothing gathered per "
+                    "decode step; training: FSDP storage gathered at use, the layout before the serving one)")
     ap.add_argument("--no-flops", action="store_true", help="skip the extra compile for the per-group FLOPs")
     ap.add_argument("--breakdown", nargs="?", const="", metavar="JSON", help="attribute the compiled step's FLOPs, "
                     "HBM and collective bytes to the model's parts (k3jax/aot/breakdown.py); print the table, and write "
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.breakdown and "=" in args.breakdown:  # `--breakdown a.b=c`: an override taken for the JSON path
         ap.error(f"--breakdown's value {args.breakdown!r} looks like a config override: give a JSON path "
                  "(--breakdown out.json) or put --breakdown after the overrides")
+    if args.layout and args.mode not in ("decode", "prefill"):
+        ap.error(f"--layout applies to decode and prefill jobs; {args.mode} jobs use the training layout")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         ap.error(f"--hbm-gib must be positive, got {args.hbm_gib}")
     if args.xla_dump:  # read when the first backend starts, which has not happened yet
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.mode == "prefill" and not 0 <= args.prefill_chunk <= seq:
             ap.error(f"--prefill-chunk {args.prefill_chunk} must be in [1, --seq-len {seq}] (0: the whole context)")
         jobs = [Job(args.config, args.mode, args.slice, mesh, batch, seq, tuple(args.overrides), hbm_gib=args.hbm_gib,
-                    prefill_chunk=args.prefill_chunk if args.mode == "prefill" else 0)]
+                    prefill_chunk=args.prefill_chunk if args.mode == "prefill" else 0,
+                    **({"layout": args.layout} if args.layout else {}))]
     else:  # the PLAN, each job under its own budget unless --hbm-gib overrides them all
         jobs = [job if args.hbm_gib is None else dataclasses.replace(job, hbm_gib=args.hbm_gib) for job in PLAN]
     results = []

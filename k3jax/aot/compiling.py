@@ -71,9 +71,9 @@ from k3jax.data.images import IMAGE_KEY_PREFIX
 from k3jax.model import K3Model, abstract_model, moe_layers
 from k3jax.rl.step import make_rl_step, replays
 from k3jax.serving.programs import decode_program
-from k3jax.sharding import (DEFAULT_RULES, MESH_AXES, TEXT_BATCH_KEYS, Rules, abstract_with_shardings,
-                            batch_array_axes, cache_shardings, logical_to_spec, make_mesh, named_sharding,
-                            state_shardings)
+from k3jax.sharding import (DEFAULT_RULES, LAYOUTS, MESH_AXES, TEXT_BATCH_KEYS, TRAINING, Layout, Rules,
+                            abstract_with_shardings, batch_array_axes, cache_shardings, logical_to_spec, make_mesh,
+                            named_sharding, state_shardings)
 from k3jax.training.step import abstract_train_state, make_train_step
 
 _BATCH_DTYPES = {"loss_mask": jnp.float32}  # the data pipeline's dtypes; the rest are int32
@@ -106,6 +106,8 @@ class Result:
     # the same with the data-dependent loops not run (the dropless exchange's overflow rounds); None: none
     breakdown_no_overflow: hlo_breakdown.Breakdown | None = None
     analytic: dict | None = None  # all devices' analytic FLOPs per part (k3jax.aot.analytic.step_flops)
+    # decode, prefill: all devices' bytes the step must read from HBM, per kind (analytic.step_read_bytes)
+    read_bytes: dict | None = None
     # an rl phase: what the other phase keeps on each device through this one, outside this program (the
     # optimizer state through the rollout, the engine's pool through the update; module docstring)
     resident_bytes: int = 0
@@ -406,8 +408,26 @@ def _no_persistent_cache():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 
 
-def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
-                devices=None, hbm_limit_bytes: int | None = None, log=print) -> Result:
+def job_layout(job: Job) -> Layout:
+    """The tables a job's program is placed and traced under (``k3jax.sharding``): training's for train and rl
+    jobs (the RL rollout decodes on the trainer's weights, in their layout), else the decode or prefill
+    tables of ``job.layout``."""
+    if job.mode in ("train", "rl"):
+        return TRAINING
+    decode, prefill = LAYOUTS[job.layout]
+    return decode if job.mode == "decode" else prefill
+
+
+def compile_job(job: Job, *, flops: bool = True, breakdown: bool = False, devices=None,
+                hbm_limit_bytes: int | None = None, log=print) -> Result:
+    """:func:`compile_one` under the job's layout (:func:`job_layout`)."""
+    with job_layout(job).active():
+        return compile_one(job, job_layout(job).rules, flops=flops, breakdown=breakdown, devices=devices,
+                           hbm_limit_bytes=hbm_limit_bytes, log=log)
+
+
+def compile_one(job: Job, rules: Rules, *, flops: bool, breakdown: bool, devices, hbm_limit_bytes: int | None,
+                log) -> Result:
     """Lower and compile ``job`` for its slice, with the compiler held to ``hbm_limit_bytes`` per
     device (default: the device's HBM; module docstring); with ``flops``, one more compile without the
     layer stack gives the step's FLOPs with the loop trip counts applied. With ``breakdown`` the
@@ -457,12 +477,15 @@ def compile_job(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, b
         step_flops = parts.total_flops * mesh.size
         expected = analytic.step_flops(cfg, result.tokens, job.seq_len, job.program)  # Newton-Schulz included
         result = dataclasses.replace(result, breakdown=parts, analytic=expected, breakdown_no_overflow=no_overflow)
+        if job.program in ("decode", "prefill"):
+            result = dataclasses.replace(result, read_bytes=analytic.step_read_bytes(
+                cfg, job.batch, job.seq_len, result.tokens // job.batch))
     elif flops:
         step_flops = _step_flops(cfg, job, mesh, rules, lower, per_device, ns_flops, log)
     return dataclasses.replace(result, step_flops=step_flops, model_flops=model_flops, ns_flops=ns_flops)
 
 
-def compile_rl(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, breakdown: bool = False,
+def compile_rl(job: Job, *, flops: bool = True, breakdown: bool = False,
                devices=None, hbm_limit_bytes: int | None = None, log=print) -> RLResult:
     """Compile both phases of the ``rl`` job ``job`` (module docstring) with :func:`compile_job`, each held
     to the HBM budget (``hbm_limit_bytes``, else the job's or the device's) less what the other phase keeps
@@ -475,7 +498,7 @@ def compile_rl(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, br
     tpu = TpuSlice.v5p(job.slice)
     devices = tpu.devices() if devices is None else devices
     mesh = make_mesh(job.mesh, devices)
-    a = rl_arguments(cfg, mesh, job_model(cfg, job.mode), rules, job.batch, job.seq_len)
+    a = rl_arguments(cfg, mesh, job_model(cfg, job.mode), job_layout(job).rules, job.batch, job.seq_len)
     state, weights, cache = device_bytes(a["state"]), device_bytes(a["weights"]), device_bytes(a["pool"])
     del a
     if hbm_limit_bytes is None:
@@ -483,7 +506,7 @@ def compile_rl(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, br
     out = {}
     for phase, resident in (("rollout", state - weights), ("train", cache)):
         log(f"  {phase}: {resident / GIB:.2f} GiB resident beside it")
-        r = compile_job(dataclasses.replace(job, phase=phase), rules=rules, flops=flops,
+        r = compile_job(dataclasses.replace(job, phase=phase), flops=flops,
                         breakdown=breakdown or flops, devices=devices,
                         hbm_limit_bytes=max(hbm_limit_bytes - resident, 2**20), log=log)
         out[phase] = dataclasses.replace(r, resident_bytes=resident)
@@ -491,5 +514,5 @@ def compile_rl(job: Job, *, rules: Rules = DEFAULT_RULES, flops: bool = True, br
 
 
 __all__ = ["RLResult", "Result", "abstract_batch", "abstract_rl_batch", "compile_job", "compile_rl", "device_bytes",
-           "job_model", "lower_decode", "lower_rl_rollout", "lower_rl_train", "lower_train", "rl_arguments",
+           "job_layout", "job_model", "lower_decode", "lower_rl_rollout", "lower_rl_train", "lower_train", "rl_arguments",
            "rl_slots", "without_groups"]

@@ -29,6 +29,8 @@ class Job:
     hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
     prefill_chunk: int = 0  # prefill: prompt tokens per row and call (0: the whole context in one call)
     phase: Literal["", "rollout", "train"] = ""  # rl: the program (above)
+    # decode, prefill: the weights' and caches' layout (k3jax.sharding.LAYOUTS); train and rl jobs use training's
+    layout: Literal["serving", "training"] = "serving"
 
     def load(self) -> Config:
         return load_config(self.config, list(self.overrides))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from k3jax.aot import analytic
 from k3jax.aot import breakdown as hlo_breakdown
 from k3jax.aot.compiling import Result, RLResult, rl_slots
-from k3jax.aot.slices import GIB, V5P_ICI_BYTES_PER_S, V5P_PEAK_FLOPS
+from k3jax.aot.slices import GIB, V5P_HBM_BANDWIDTH, V5P_ICI_BYTES_PER_S, V5P_PEAK_FLOPS
 
 
 def breakdown_report(r: Result) -> tuple[str, dict]:
@@ -57,8 +57,35 @@ def breakdown_report(r: Result) -> tuple[str, dict]:
                   f"FLOPs, collectives " + " / ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(w["collective_bytes"].items()))
                   + f" GB, compute at peak {w['compute_s_at_peak']:.2f} s, collectives at ICI "
                   f"{w['collective_s_at_ici']:.2f} s"]
+    if r.read_bytes is not None:
+        bounds = serving_bounds(r)
+        summary["serving_bounds"] = bounds
+        lines += ["", "| per device | compute at peak | HBM at bandwidth | collectives at ICI | must read (analytic) | "
+                  "compiled HBM / analytic | output tokens/s per chip |", "|---|---|---|---|---|---|---|",
+                  f"| {r.job.mode} | {bounds['compute_s'] * 1e3:.2f} ms | {bounds['hbm_s'] * 1e3:.2f} ms | "
+                  f"{bounds['collective_s'] * 1e3:.2f} ms | {bounds['read_bytes'] / 1e9:.2f} GB "
+                  f"({bounds['read_s'] * 1e3:.2f} ms) | {bounds['hbm_over_read']:.2f} | "
+                  f"{bounds['tokens_per_s_per_chip']:.1f} ({bounds['slowest']}) |"]
     return "\n".join(lines), {**b.to_json(), "summary": summary, "analytic_per_device":
                               {k: v / n for k, v in (r.analytic or {}).items()}}
+
+
+def serving_bounds(r: Result) -> dict:
+    """A decode or prefill step's three lower bounds per device: its FLOPs at peak, its compiled HBM bytes at
+    HBM bandwidth, its collective bytes at ICI bandwidth; the analytic bytes it must read (the weights its
+    tokens touch and the cache, spread evenly over the devices: ``analytic.step_read_bytes``) next to the
+    compiled HBM bytes; and the tokens per second per chip at the slowest bound (``tokens`` per step:
+    one per row for decode)."""
+    b, n = r.breakdown, r.num_devices
+    times = {"compute": b.total_flops / V5P_PEAK_FLOPS, "hbm": sum(b.hbm_bytes.values()) / V5P_HBM_BANDWIDTH,
+             "collectives": sum(b.collective_bytes.values()) / V5P_ICI_BYTES_PER_S}
+    read = sum(r.read_bytes.values()) / n
+    slowest = max(times, key=times.get)
+    return {"compute_s": times["compute"], "hbm_s": times["hbm"], "collective_s": times["collectives"],
+            "hbm_bytes": sum(b.hbm_bytes.values()), "collective_bytes": sum(b.collective_bytes.values()),
+            "read_bytes": read, "read_by_kind": {k: v / n for k, v in r.read_bytes.items()},
+            "read_s": read / V5P_HBM_BANDWIDTH, "hbm_over_read": sum(b.hbm_bytes.values()) / read,
+            "slowest": slowest, "tokens_per_s_per_chip": r.tokens / times[slowest] / n}
 
 
 def rl_report(r: RLResult) -> tuple[str, dict]:

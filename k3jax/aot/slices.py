@@ -10,8 +10,10 @@ GIB = 1024**3
 # HBM per v5p device as libtpu's compiler budgets it (the limit its RESOURCE_EXHAUSTED message
 # quotes); Cloud TPU documents 95 GiB usable of 96 GiB physical per chip.
 V5P_HBM_BYTES = int(95.74 * GIB)
-# v5p per chip (Cloud TPU's published figures): 459 TFLOP/s bf16, 4,800 Gbit/s of ICI over its links.
+# v5p per chip (Cloud TPU's published figures): 459 TFLOP/s bf16, 2,765 GB/s of HBM, 4,800 Gbit/s of ICI over
+# its links.
 V5P_PEAK_FLOPS = 459e12
+V5P_HBM_BANDWIDTH = 2765e9
 V5P_ICI_BYTES_PER_S = 4800e9 / 8
 # v5p slices as Cloud TPU names them (v5p-N: N TensorCores = 2 per chip) -> chips per dimension.
 # A v5p chip is one JAX device (megacore: its two TensorCores act as one).
@@ -57,4 +59,4 @@ class TpuSlice:
         return list(topo.devices)
 
 
-__all__ = ["GIB", "V5P_HBM_BYTES", "V5P_ICI_BYTES_PER_S", "V5P_PEAK_FLOPS", "V5P_SHAPES", "TpuSlice"]
+__all__ = ["GIB", "V5P_HBM_BANDWIDTH", "V5P_HBM_BYTES", "V5P_ICI_BYTES_PER_S", "V5P_PEAK_FLOPS", "V5P_SHAPES", "TpuSlice"]

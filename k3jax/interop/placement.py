@@ -16,15 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.sharding import DEFAULT_RULES, Rules, logical_to_spec
+from k3jax.sharding import Rules, current_rules, logical_to_spec
 
 
 def as_rules(rules: Mapping | Rules | None, mesh: jax.sharding.Mesh) -> Rules:
-    """``from_hf``'s ``rules`` -> a :mod:`k3jax.sharding` rule table. None: ``DEFAULT_RULES``; a
+    """``from_hf``'s ``rules`` -> a :mod:`k3jax.sharding` rule table. None: the active table (``DEFAULT_RULES``
+    outside ``axis_rules``: a serving layout's ``with layout.active()`` loads straight into it); a
     ``{logical: mesh axis, tuple of axes or None}`` mapping (or such pairs): one candidate per name. A mesh
     axis the mesh lacks is an error, not a silently replicated leaf."""
     if rules is None:
-        return DEFAULT_RULES
+        return current_rules()
     pairs = rules.items() if isinstance(rules, Mapping) else rules
     table = []
     for name, target in pairs:

@@ -19,7 +19,7 @@ from k3jax.layers.initializers import RouterBias, cast, constant, normal
 from k3jax.layers.norm import RMSNorm
 from k3jax.ops.moe import combine_experts, sigmoid_topk_route
 from k3jax.ops.saved_names import EXPERT_SUMS
-from k3jax.sharding import current_mesh
+from k3jax.sharding import current_mesh, keep_split
 from k3jax.parallel import sequence as seq_parallel
 from k3jax.parallel.expert import expert_parallel_experts
 from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
@@ -28,6 +28,9 @@ from pallas_kernels.platform import target_platform
 
 # Weights stored and read in float32 whatever param_dtype / dtype: the router decides the routing.
 FLOAT32_WEIGHTS = frozenset({"router"})
+# The latent tokens [N, L] between the projections and the routed experts: the latent split where the
+# projections' weights are used split (the serving layout), so the exchange moves tokens, not weights.
+LATENT_AXES = (None, "latent")
 
 
 class LatentMoE(nnx.Module):
@@ -91,14 +94,14 @@ class LatentMoE(nnx.Module):
         z = xf.astype(dt)
         if m.latent_dim:
             with jax.named_scope("latent_proj"):
-                z = jnp.einsum("nd,dl->nl", z, cast(self.down, dt))
+                z = keep_split(jnp.einsum("nd,dl->nl", z, cast(self.down, dt)), LATENT_AXES)
         with jax.named_scope("routed_experts"):
             u = self._routed_experts(z, route)
         if m.latent_dim:
             with jax.named_scope("latent_proj"):
                 if self.latent_norm is not None:
                     u = self.latent_norm(checkpoint_name(u, EXPERT_SUMS))
-                y = jnp.einsum("nl,ld->nd", u.astype(dt), cast(self.up, dt))
+                y = jnp.einsum("nl,ld->nd", keep_split(u.astype(dt), LATENT_AXES), cast(self.up, dt))
         else:
             y = u.astype(dt)
         y = y.reshape(b, t, d)

@@ -50,9 +50,9 @@ Split = Literal["keys", "queries"]
 
 
 def _specs(mesh, batch: int, slots: int, heads: int):
-    """(batch entry, slot axes, heads entry): the cache's ``[B, S, ...]`` layout (``batch``, ``cache_length``)
-    and the heads over the ``heads`` rule's axes that the batch and the slots leave free."""
-    b_entry, s_entry, h_entry = logical_to_spec(("batch", "cache_length", "heads"), None, mesh,
+    """(batch entry, slot axes, heads entry): the cache's ``[B, S, ...]`` layout (``cache_batch``,
+    ``cache_length``) and the heads over the ``heads`` rule's axes that the rows and the slots leave free."""
+    b_entry, s_entry, h_entry = logical_to_spec(("cache_batch", "cache_length", "heads"), None, mesh,
                                                 (batch, slots, heads))
     return b_entry, spec_axes(s_entry), h_entry
 
@@ -63,7 +63,7 @@ def slot_shards(batch: int, slots: int, mesh=None) -> int:
     mesh = current_mesh() if mesh is None else mesh
     if mesh is None:
         return 1
-    return math.prod(axis_size(mesh, a) for a in spec_axes(logical_to_spec(("batch", "cache_length"), None, mesh,
+    return math.prod(axis_size(mesh, a) for a in spec_axes(logical_to_spec(("cache_batch", "cache_length"), None, mesh,
                                                                            (batch, slots))[1]))
 
 

@@ -102,6 +102,11 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
         raise ValueError(f"{w_gate.shape[0]} experts do not split over the expert rule's mesh axes {ep_axes} "
                          f"(size {ep})")
     token_axes = token_mesh_axes(mesh, n)
+    if not set(ep_axes) <= set(token_axes):
+        # Too few tokens to split over every expert axis (a short prefill piece under the serving layout, whose
+        # experts span the whole mesh): replicated over the expert group, each of its devices applies its own
+        # experts to the group's tokens (_gathered_experts).
+        token_axes = tuple(a for a in token_axes if a not in ep_axes)
     tokens = P(spec_entry(token_axes), None)
     axis = spec_entry(ep_axes)  # the exchange's collective axis name(s)
     # The weights enter split as they are stored over the FSDP axes of their `expert_in` dimension (L) and

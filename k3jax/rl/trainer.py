@@ -185,10 +185,11 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     state = _placed(state, mesh)
-    # The engine decodes with the trainer's arrays (scanned layers, the training mesh): no copy of the weights
+    # The engine decodes with the trainer's arrays (scanned layers, the training mesh and layout): no copy of
+    # the weights
     engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=min(tc.seq_len + 1,
                     cfg.model.max_seq_len), prefill_batch=rl.rows, mesh=mesh, unroll_layers=False,
-                    record_routes=True)
+                    record_routes=True, layout="training")
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     score_fn = make_score_fn(graphdef, cfg)
     schedule = learning_rate_schedule(tc.optim, tc.steps)

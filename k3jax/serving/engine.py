@@ -76,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from k3jax.cache import cache_bytes
 from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
@@ -87,7 +88,7 @@ from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.programs import Programs
 from k3jax.serving.request import Sequence
 from k3jax.serving.schedule import LocalScheduler, Schedule, make_scheduler, state_digest
-from k3jax.sharding import use_mesh
+from k3jax.sharding import LAYOUTS, state_shardings, use_mesh
 from pallas_kernels.platform import target_platform
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,21 @@ class Engine:
     input comes from (default ``schedule.make_scheduler()``: local in one process, process 0's broadcast
     in several). ``record_routes``: every request records its tokens' experts and sampled log-probabilities
     (``Sequence.prompt_routes``, ``routes``, ``sampled_logprobs``: the rollouts of ``k3jax.rl``); such an
-    engine skips the prefix cache's lookups (a cached block's routes are not kept)."""
+    engine skips the prefix cache's lookups (a cached block's routes are not kept). ``layout``: the mesh layout
+    of the weights, caches and programs, a key of ``k3jax.sharding.LAYOUTS``: ``serving`` (weights split
+    once over the mesh, decode steps move activations only) or ``training`` (the trainer's own layout: an RL
+    rollout decodes on the trainer's arrays without moving them). Weights in another layout are moved into it
+    once, when the engine is built and by :meth:`set_weights` (the time is logged)."""
 
     def __init__(self, model: K3Model, *, max_batch: int = 8, max_len: int | None = None, prefill_chunk: int = 64,
                  prefill_batch: int = 8, max_queue: int = 64, mesh=None, metrics: Metrics | None = None,
                  unroll_layers: bool | None = None, prefix_cache_tokens: int = 0,
                  prefix_cache_block: int | None = None, scheduler: LocalScheduler | None = None,
-                 record_routes: bool = False):
+                 record_routes: bool = False, layout: str = "serving"):
         cfg = model.cfg
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
         self.max_len = int(max_len or cfg.max_seq_len)
         if not 2 <= self.max_len <= cfg.max_seq_len:
             raise ValueError(f"max_len must be in [2, model.max_seq_len={cfg.max_seq_len}], got {self.max_len}")
@@ -160,12 +168,31 @@ class Engine:
         self.step_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _build(self, model: K3Model):
-        graphdef, self._state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        self._state = self._in_layout(state)
         self._programs = Programs(graphdef, model.cfg, model.plan, max_batch=self.max_batch, max_len=self.max_len,
                                   prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
                                   widths=self._widths, mesh=self.mesh, record_routes=self.record_routes,
-                                  block=self.prefix_cache.block if self.prefix_cache is not None else None)
+                                  block=self.prefix_cache.block if self.prefix_cache is not None else None,
+                                  layouts=LAYOUTS[self.layout])
         self.decode_programs = self._programs.decode  # by row count: 1, 2, 4, ... and the whole pool
+
+    def _in_layout(self, state):
+        """``state`` on the engine's mesh in its layout's storage (the same for its decode and prefill tables):
+        unchanged when it is already, else moved there once (a device-to-device copy; the time is logged)."""
+        if self.mesh is None:
+            return state
+        target = state_shardings(state, self.mesh, LAYOUTS[self.layout][0].rules)
+        leaves = jax.tree.leaves(state)
+        wanted = jax.tree.leaves(target, is_leaf=lambda x: isinstance(x, NamedSharding))
+        if all(getattr(x, "sharding", None) is not None and s.is_equivalent_to(x.sharding, x.ndim)
+               for x, s in zip(leaves, wanted)):
+            return state
+        t0 = time.perf_counter()
+        placed = jax.block_until_ready(jax.tree.map(lambda s, v: jax.device_put(v, s), target, state,
+                                                    is_leaf=lambda x: isinstance(x, NamedSharding)))
+        log.info("weights moved into the %s layout in %.3f s", self.layout, time.perf_counter() - t0)
+        return placed
 
     def _reset(self):
         """Empty pool; every row free."""
@@ -220,7 +247,7 @@ class Engine:
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"set_weights: a weight of shape {b.shape} {b.dtype} replaces one of {a.shape} "
                                  f"{a.dtype}")
-        self._state = state
+        self._state = self._in_layout(state)
 
     # --- the client side (any thread) ----------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int, scoring: bool = False) -> None:

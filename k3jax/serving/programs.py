@@ -19,7 +19,7 @@ from k3jax.cache import first_rows, init_cache, keep_rows, pack_row, put_first_r
     write_block, write_row
 from k3jax.serving.logprobs import MAX_LOGPROBS, token_logprobs
 from k3jax.serving.sampling import sample_rows
-from k3jax.sharding import cache_shardings
+from k3jax.sharding import Layout, cache_shardings
 
 
 def _routes(stats, shape) -> jax.Array:
@@ -93,11 +93,25 @@ def realign(pool, shift):
     return shift_slots(pool, shift)
 
 
+def traced_under(layout: Layout, fn):
+    """``fn`` whose body runs under ``layout``'s tables: a jitted function is traced (its body run) at its
+    first call, wherever that happens, and the tables are read then (``k3jax.sharding.axis_rules``)."""
+
+    @functools.wraps(fn)
+    def under(*args, **kwargs):
+        with layout.active():
+            return fn(*args, **kwargs)
+
+    return under
+
+
 class Programs:
     """Every jitted program of an engine (module docstring): ``cfg`` / ``plan`` / ``graphdef`` the model's;
     ``max_batch`` pool rows of ``max_len`` slots; prefill pieces of ``widths`` tokens (the first, the whole
     ``prefill_chunk``) for 1 and ``prefill_batch`` rows; ``block``: the prefix cache's block (None: no prefix
-    cache); ``mesh``: the device mesh (None: unsharded).
+    cache); ``mesh``: the device mesh (None: unsharded); ``layouts``: the (decode, prefill) layouts of
+    ``k3jax.sharding.LAYOUTS`` the decode and the prefill programs and their caches follow on the mesh (the
+    pool and its moves the decode one's, the prefill caches and the prefix cache's blocks the prefill one's).
 
     - ``empty_pool()``, ``empty_prefill[rows]()``, ``zero_last[rows]()``, ``init_rows()`` (zero logits and
       keys of the pool's rows): the starting arrays;
@@ -107,7 +121,7 @@ class Programs:
       block)`` and ``empty_block`` (a block's shape, unjitted)."""
 
     def __init__(self, graphdef, cfg, plan, *, max_batch: int, max_len: int, prefill_chunk: int, prefill_batch: int,
-                 widths: list[int], block: int | None, mesh, record_routes: bool):
+                 widths: list[int], block: int | None, mesh, record_routes: bool, layouts: tuple[Layout, Layout]):
         c, p, b = max_len, prefill_chunk, max_batch
         # The prefill cache has a chunk more slots than a request may use: a left-padded prompt of
         # up to max_len - 1 tokens fills whole chunks. Slots are not positions, so the model's
@@ -121,29 +135,36 @@ class Programs:
             return init_cache(wide, plan, rows, c + p)
 
         sizes = sorted({1, prefill_batch})  # the prefill programs' row counts
+        decoding, prefilling = layouts
         if mesh is None:
-            jit = jax.jit
             pool_sh, rep = None, None
             pre_sh = {r: None for r in sizes}
+
+            def jit(fn, out_shardings, layout=decoding, **kw):
+                return jax.jit(fn, **kw)
         else:  # fixed output layouts: a step's outputs are the next step's inputs, never a new signature
-            pool_sh = cache_shardings(jax.eval_shape(empty_pool), mesh)
-            pre_sh = {r: cache_shardings(jax.eval_shape(functools.partial(empty_prefill, r)), mesh) for r in sizes}
+            pool_sh = cache_shardings(jax.eval_shape(empty_pool), mesh, decoding.rules)
+            pre_sh = {r: cache_shardings(jax.eval_shape(functools.partial(empty_prefill, r)), mesh, prefilling.rules)
+                      for r in sizes}
             rep = NamedSharding(mesh, PartitionSpec())
 
-            def jit(fn, out_shardings, **kw):
-                return jax.jit(fn, out_shardings=out_shardings, **kw)
+            def jit(fn, out_shardings, layout=decoding, **kw):
+                return jax.jit(traced_under(layout, fn), out_shardings=out_shardings, **kw)
         self.empty_pool = jit(empty_pool, out_shardings=pool_sh)
         self.empty_prefill = {r: jit(functools.partial(empty_prefill, r), out_shardings=pre_sh[r]) for r in sizes}
         self.zero_last = {r: jit(functools.partial(jnp.zeros, (r, cfg.vocab_size), jnp.float32), out_shardings=rep)
                           for r in sizes}
         # one program per row count and width (a piece's shape)
         prefill = prefill_program(graphdef, record_routes=record_routes)
-        self.prefill = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep, rep), donate_argnums=(1, 2))
+        self.prefill = {(r, w): jit(prefill, out_shardings=(rep, pre_sh[r], rep, rep), layout=prefilling,
+                                    donate_argnums=(1, 2))
                         for r in sizes for w in widths}
         if block is not None:  # snapshots (replicated: one row) out of / into a prefill cache
             self.empty_block = functools.partial(init_cache, wide, plan, 1, block)
-            self.read_block = {r: jit(functools.partial(read_block, size=block), out_shardings=rep) for r in sizes}
-            self.write_block = {r: jit(write_block, out_shardings=pre_sh[r], donate_argnums=(0,)) for r in sizes}
+            self.read_block = {r: jit(functools.partial(read_block, size=block), out_shardings=rep, layout=prefilling)
+                               for r in sizes}
+            self.write_block = {r: jit(write_block, out_shardings=pre_sh[r], layout=prefilling, donate_argnums=(0,))
+                                for r in sizes}
         self.insert = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self.realign = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         decode = decode_program(graphdef, record_routes=record_routes)

@@ -1,0 +1,92 @@
+"""The serving layout (``k3jax.sharding.SERVING_DECODE`` / ``SERVING_PREFILL``) on 8 devices: the engine's
+greedy tokens (prefill, decode, prefix-cache hits) equal the single-device engine's for K3-, K2- and
+Kimi-Linear-like tiny models and MXFP4 experts; and a compiled decode step in the serving layout moves
+activations only (its collective bytes within :func:`activation_bytes`), where training's layout gathers
+weights past that bound. Run by ``tests/test_serving_layout.py``; argv: ``engine NAME`` or ``collectives``."""
+
+import sys
+
+import jax
+
+from k3jax import create_model, load_config
+from k3jax.aot import Job, compile_job
+from k3jax.serving.engine import Engine
+from k3jax.serving.request import SamplingParams, Sequence
+from k3jax.sharding import make_mesh, parse_mesh, use_mesh
+
+# Every split dimension divides 8: heads, experts, FFN, latent and vocabulary widths.
+WIDE = ["model.kda.num_heads=8", "model.mla.num_heads=8", "model.moe.num_experts=16", "model.num_layers=5",
+        "model.max_seq_len=64", "train.seq_len=64"]
+K2_LIKE = ["model.layout=mla", "model.mla.rope=yarn", "model.mla.output_gate=false",
+           "model.mla.yarn={factor: 4.0, original_max_position: 16, beta_fast: 1.0, beta_slow: 1.0, "
+           "mscale: 1.0, mscale_all_dim: 1.0}", "model.attn_res.enabled=false", "model.activation=swiglu",
+           "model.moe.latent_dim=0"]
+KIMI_LINEAR_LIKE = ["model.kda.gate=softplus", "model.kda.output_gate=low_rank", "model.mla.q_lora_rank=0",
+                    "model.mla.output_gate=false", "model.attn_res.enabled=false", "model.activation=swiglu",
+                    "model.moe.latent_dim=0"]
+MODELS = {"k3": [], "k3_mxfp4": ["quant.experts=mxfp4"], "k2_like": K2_LIKE, "kimi_linear_like": KIMI_LINEAR_LIKE}
+MESH = "data=2,expert=4"  # the pool's 4 rows split over `data`, their slots over `expert` (flash-decoding)
+MAX_LEN, CHUNK, BLOCK, NEW = 48, 4, 8, 6
+BASE = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 1, 2, 3]  # 13 tokens: a block and a half
+
+
+def greedy(engine: Engine, prompts) -> list[list[int]]:
+    seqs = [Sequence(p, SamplingParams(max_tokens=NEW), lambda *_: None, lambda _: None) for p in prompts]
+    engine.run(seqs)
+    return [s.generated for s in seqs]
+
+
+def engine_outputs(model, mesh) -> list[list[list[int]]]:
+    """Greedy tokens of three rounds: distinct prompts; prompts sharing BASE (the second round's hit the
+    blocks the first wrote); the same again batched (hits of different lengths in one prefill)."""
+    engine = Engine(model, max_batch=4, max_len=MAX_LEN, prefill_chunk=CHUNK, prefill_batch=2, mesh=mesh,
+                    unroll_layers=False, prefix_cache_tokens=16 * BLOCK, prefix_cache_block=BLOCK)
+    rounds = [[[5, 1, 2], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9], BASE], [BASE + [1, 2], BASE[:9] + [7]],
+              [BASE + [3], BASE[:8], [4] + BASE]]
+    with use_mesh(mesh) if mesh is not None else jax.default_device(jax.devices()[0]):
+        out = [greedy(engine, prompts) for prompts in rounds]
+    assert engine.metrics.prefix_hit_tokens >= 2 * BLOCK, engine.metrics.prefix_hit_tokens  # hits happened
+    return out
+
+
+def engine_check(name: str) -> None:
+    cfg = load_config("tiny", WIDE + MODELS[name]).model
+    model = create_model(cfg, seed=1)
+    want = engine_outputs(model, None)
+    got = engine_outputs(model, make_mesh(parse_mesh(MESH)))
+    assert got == want, (name, got, want)
+    print(name, got)
+
+
+def activation_bytes(cfg, batch: int) -> int:
+    """What a decode step of ``batch`` tokens may move in the serving layout, per device: per layer, for each
+    token, 8 residual-width vectors (the all-reduced outputs of row-parallel projections, the embedding),
+    its k routed copies there and back in the latent width, its router scores, and its MLA queries in the
+    latent space; float32, an all-reduce counted twice (as ``k3jax.aot.breakdown`` counts it). A step that
+    moves a weight of every layer exceeds it."""
+    m = cfg.model
+    latent = m.moe.latent_dim or m.hidden_size
+    per_token = (8 * m.hidden_size + 2 * m.moe.top_k * latent + m.moe.num_experts
+                 + m.mla.num_heads * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim))
+    return m.num_layers * batch * per_token * 4 * 2
+
+
+def collectives_check() -> None:
+    batch = 8
+    for name in ("k3", "k2_like"):
+        moved = {}
+        for layout in ("serving", "training"):
+            job = Job("tiny", "decode", "v5p-16", parse_mesh("expert=8"), batch=batch, seq_len=64,
+                      overrides=tuple(WIDE + MODELS[name]), layout=layout)
+            r = compile_job(job, breakdown=True, devices=jax.devices(), log=lambda s: None)
+            moved[layout] = sum(r.breakdown.collective_bytes.values())
+        bound = activation_bytes(job.load(), batch)
+        print(name, {k: int(v) for k, v in moved.items()}, "bound", bound)
+        assert moved["serving"] <= bound < moved["training"], (name, moved, bound)
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_disable_most_optimizations", True)
+    assert jax.device_count() == 8
+    {"engine": lambda: engine_check(sys.argv[2]), "collectives": collectives_check}[sys.argv[1]]()
+    print("OK")
