@@ -369,3 +369,19 @@ def test_selective_remat_recomputes_no_ffn_matmul_and_no_mixer_core():
     for b in (full, selective):  # the same forward and backward work
         for part in ("routed_experts", "kda", "mla"):
             assert b.flops[(part, "forward")] == pytest.approx(full.flops[(part, "forward")], rel=1e-6), part
+
+
+def test_hbm_bytes_count_what_a_loop_slices_and_an_update_writes():
+    """A loop reading a buffer one block per iteration reads it once, and an in-place update of one row writes
+    that row: a decode step walks a 1M-slot cache by blocks and writes one slot (counted whole, the step's
+    bytes were thousands of times the cache)."""
+    x, cache, new = jnp.ones((64, 1024)), jnp.zeros((4096, 256)), jnp.ones((1, 256))
+
+    def step(x, cache, new, i):
+        def body(total, j):
+            return total + jnp.sum(2.0 * jax.lax.dynamic_slice_in_dim(x, j * 8, 8, axis=0)), None
+
+        return jax.lax.scan(body, 0.0, jnp.arange(8))[0], jax.lax.dynamic_update_slice_in_dim(cache, new, i, axis=0)
+
+    b = bd.breakdown(jax.jit(step, donate_argnums=1).lower(x, cache, new, 3).compile().as_text())
+    assert sum(b.hbm_bytes.values()) < 4 * x.nbytes < cache.nbytes  # whole: 8 x x + 2 x cache

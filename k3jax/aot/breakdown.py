@@ -15,7 +15,9 @@ instruction is read whole even where a string in it, e.g. a Pallas kernel's meta
   pairs that read real input`` (not padding, not a dilation hole); a Pallas / Mosaic kernel (``tpu_custom_call``) = the
   ``pl.CostEstimate`` it declares; a ragged dot custom call = ``2 * rows * in * out``.
 - **HBM bytes**: operands + result of every instruction outside fusion bodies (a fusion reads its
-  operands and writes its result once; what happens inside stays in registers / VMEM).
+  operands and writes its result once; what happens inside stays in registers / VMEM), where only part
+  of a buffer is touched counting that part: a (dynamic) slice's slice, an in-place dynamic update's
+  update (``_traffic``).
 - **Collective bytes**: per kind (all-gather, reduce-scatter, all-reduce, all-to-all, ragged
   all-to-all, collective-permute), the bytes one device sends, ``(n - 1) / n`` of the gathered /
   scattered / exchanged array (twice that for an all-reduce, a reduce-scatter plus an all-gather).
@@ -560,9 +562,69 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
                 for carried, sent in _collective_parts(ins, coll, comp, names, guessed, shapes):
                     out.collective_by_part[carried] += times * sent
             if ins.opcode not in _NO_TRAFFIC and not ins.opcode.endswith("-done"):
-                traffic = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
-                out.hbm_bytes[key] += times * traffic
+                out.hbm_bytes[key] += times * _traffic(ins, shapes, comps)
     return out
+
+
+_SLICES = ("dynamic-slice", "slice")
+
+
+def _traffic(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) -> float:
+    """HBM bytes one run of ``ins`` (outside fusion bodies) moves: its result written and its operands read,
+    except where it touches part of a buffer (a decode step's loops walk a 1M-slot cache a block at a time,
+    and update it in place): a dynamic slice reads its slice; an in-place dynamic-update-slice reads and
+    writes its update, not the buffer; a fusion reads only the slices of an operand its body reads through
+    (dynamic) slices, and a fusion whose root updates an operand in place writes the update."""
+    if ins.opcode == "dynamic-slice":
+        return 2 * shape_bytes(ins.shape)
+    if ins.opcode == "dynamic-update-slice":
+        return 2 * shape_bytes(shapes.get(ins.operands[1], ""))
+    callees = [c for c, _ in _callees(ins)] if ins.opcode == "fusion" else []
+    body = comps.get(callees[0]) if callees else None
+    if not body:
+        return shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+    params = _fusion_params(body)
+    root = body[-1]
+    updates = [u for u in (body if root.opcode == "tuple" else [root]) if u.opcode == "dynamic-update-slice"
+               and (root.opcode != "tuple" or u.name in root.operands)]
+    in_place = {u.operands[0]: u for u in updates}
+    inner = {i.name: i.shape for i in body}
+    total = 0.0 if updates else shape_bytes(ins.shape)
+    total += sum(2 * shape_bytes(inner.get(u.operands[1], "")) for u in updates)
+    if updates and root.opcode == "tuple":  # the tuple's other elements are written whole
+        total += sum(shape_bytes(inner.get(o, "")) for o in root.operands if o not in {u.name for u in updates})
+    for index, operand in enumerate(ins.operands):
+        name = params.get(index)
+        users = [u for u in body if name is not None and name in u.operands]
+        if name in in_place and users == [in_place[name]]:
+            continue  # the buffer updated in place: its update counted above
+        whole = shape_bytes(shapes.get(operand, ""))
+        total += whole if name is None else _read_bytes(body, name, whole, comps)
+    return total
+
+
+def _fusion_params(body: list[Instr]) -> dict[int, str]:
+    """A fused computation's parameters: {index: name}."""
+    return {int(i.args): i.name for i in body if i.opcode == "parameter" and i.args.strip().isdigit()}
+
+
+def _read_bytes(body: list[Instr], name: str, whole: float, comps: dict[str, list[Instr]]) -> float:
+    """What a fused computation reads of its value ``name`` (``whole`` bytes): the slices it takes when every
+    use is a (dynamic) slice, through bitcasts and nested fusions; else ``whole``."""
+    total = 0.0
+    for user in (u for u in body if name in u.operands):
+        if user.opcode in _SLICES and user.operands[0] == name:
+            total += shape_bytes(user.shape)
+        elif user.opcode == "bitcast":
+            total += _read_bytes(body, user.name, whole, comps)
+        elif user.opcode == "fusion" and user.operands.count(name) == 1:
+            callees = [c for c, _ in _callees(user)]
+            inner = comps.get(callees[0], []) if callees else []
+            param = _fusion_params(inner).get(user.operands.index(name))
+            total += whole if param is None else _read_bytes(inner, param, whole, comps)
+        else:
+            return whole
+    return min(total, whole)
 
 
 def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: int = 1) -> str:
