@@ -466,6 +466,21 @@ def abstract_with_shardings(state: Any, shardings: Any) -> Any:
     return jax.tree.map(place, shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def place_state(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> tuple[nnx.State, bool]:
+    """(``state`` laid out by ``rules`` on ``mesh``, whether anything moved): arrays already in their
+    layout stay as they are (no copy); the others are copied device to device, and the call waits for
+    them."""
+    target = state_shardings(state, mesh, rules)
+    leaves = jax.tree.leaves(state)
+    wanted = jax.tree.leaves(target, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if all(getattr(x, "sharding", None) is not None and s.is_equivalent_to(x.sharding, x.ndim)
+           for x, s in zip(leaves, wanted)):
+        return state, False
+    placed = jax.tree.map(lambda s, v: jax.device_put(v, s), target, state,
+                          is_leaf=lambda x: isinstance(x, NamedSharding))
+    return jax.block_until_ready(placed), True
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
     """Place a model's variables on ``mesh`` according to the rules (in place; returns the model)."""
     graphdef, state = nnx.split(model)

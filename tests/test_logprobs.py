@@ -196,3 +196,30 @@ def test_token_logprobs_op():
     np.testing.assert_allclose(top, np.sort(logp, -1)[..., ::-1][..., :7], atol=1e-5)
     skipped = token_logprobs(logits, targets, 7, jnp.bool_(False))
     assert [a.shape for a in skipped] == [(3, 5), (3, 5, 7), (3, 5, 7)] and not any(np.any(a) for a in skipped)
+
+
+@pytest.mark.parametrize("vocab,chunk", [(256, 64), (250, 64), (1000, 96)])
+def test_chunked_log_softmax_equals_the_whole_row(vocab, chunk):
+    """The echo path's log-softmax read ``chunk`` vocabulary columns at a time (a last pass overlapping the
+    previous one, a tie at the top) gives the whole row's values and the same top ids."""
+    rng = np.random.default_rng(vocab)
+    logits = jnp.asarray(rng.normal(size=(3, 5, vocab)) * 4, jnp.float32)
+    logits = logits.at[0, 0, 10].set(logits[0, 0, 11] + 50.0).at[0, 0, 11].set(logits[0, 0, 11] + 50.0)
+    targets = jnp.asarray(rng.integers(0, vocab, (3, 5)))
+    whole = token_logprobs(logits, targets, MAX_LOGPROBS, jnp.bool_(True), vocab_chunk=vocab)
+    chunked = token_logprobs(logits, targets, MAX_LOGPROBS, jnp.bool_(True), vocab_chunk=chunk)
+    np.testing.assert_allclose(chunked[0], whole[0], atol=5e-6)
+    np.testing.assert_allclose(chunked[1], whole[1], atol=5e-6)
+    np.testing.assert_array_equal(chunked[2], whole[2])
+    assert int(chunked[2][0, 0, 0]) == 10 and int(chunked[2][0, 0, 1]) == 11
+
+
+def test_chunked_log_softmax_holds_a_chunk_not_the_row():
+    logits = jax.ShapeDtypeStruct((2, 64, 32768), jnp.float32)  # 16 MiB: an echo piece's logits
+    targets = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+
+    def temps(chunk):
+        fn = jax.jit(lambda lg, t: token_logprobs(lg, t, MAX_LOGPROBS, jnp.bool_(True), vocab_chunk=chunk))
+        return fn.lower(logits, targets).compile().memory_analysis().temp_size_in_bytes
+
+    assert temps(2048) < 0.5 * 2 * 64 * 32768 * 4 <= temps(32768)

@@ -76,7 +76,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from k3jax.cache import cache_bytes
 from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
@@ -88,7 +87,7 @@ from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.programs import Programs
 from k3jax.serving.request import Sequence
 from k3jax.serving.schedule import LocalScheduler, Schedule, make_scheduler, state_digest
-from k3jax.sharding import LAYOUTS, state_shardings, use_mesh
+from k3jax.sharding import LAYOUTS, place_state, use_mesh
 from pallas_kernels.platform import target_platform
 
 log = logging.getLogger(__name__)
@@ -178,20 +177,14 @@ class Engine:
         self.decode_programs = self._programs.decode  # by row count: 1, 2, 4, ... and the whole pool
 
     def _in_layout(self, state):
-        """``state`` on the engine's mesh in its layout's storage (the same for its decode and prefill tables):
-        unchanged when it is already, else moved there once (a device-to-device copy; the time is logged)."""
+        """``state`` on the engine's mesh in its layout's storage (the same for its decode and prefill tables),
+        moved there once if it is not (the time is logged)."""
         if self.mesh is None:
             return state
-        target = state_shardings(state, self.mesh, LAYOUTS[self.layout][0].rules)
-        leaves = jax.tree.leaves(state)
-        wanted = jax.tree.leaves(target, is_leaf=lambda x: isinstance(x, NamedSharding))
-        if all(getattr(x, "sharding", None) is not None and s.is_equivalent_to(x.sharding, x.ndim)
-               for x, s in zip(leaves, wanted)):
-            return state
         t0 = time.perf_counter()
-        placed = jax.block_until_ready(jax.tree.map(lambda s, v: jax.device_put(v, s), target, state,
-                                                    is_leaf=lambda x: isinstance(x, NamedSharding)))
-        log.info("weights moved into the %s layout in %.3f s", self.layout, time.perf_counter() - t0)
+        placed, moved = place_state(state, self.mesh, LAYOUTS[self.layout][0].rules)
+        if moved:
+            log.info("weights moved into the %s layout in %.3f s", self.layout, time.perf_counter() - t0)
         return placed
 
     def _reset(self):

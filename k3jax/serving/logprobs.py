@@ -30,14 +30,24 @@ def read_logprobs(own, top, ids, k: int) -> TokenLogprobs:
     return TokenLogprobs(float(own), tuple(int(i) for i in ids[:k]), tuple(float(v) for v in top[:k]))
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, k: int, wanted: jax.Array):
+# Vocabulary columns per pass of the chunked log-softmax: an echo request's prefill piece scores every
+# position, and a float32 [rows, chunk, 163840] log-softmax (with its exponentials) is several times the
+# logits; a pass holds [rows, chunk, VOCAB_CHUNK].
+VOCAB_CHUNK = 16384
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, k: int, wanted: jax.Array, *,
+                   vocab_chunk: int = VOCAB_CHUNK):
     """logits ``[..., V]``, targets ``[...]`` int -> (the targets' log-probabilities ``[...]``, the
     top-``k`` log-probabilities ``[..., k]`` and their ids ``[..., k]`` int32), all float32 from
     ``log_softmax(logits)``. ``wanted``: a traced bool; when false the work is skipped (zeros come
-    back), so a step without a request for log-probabilities pays nothing for them."""
+    back), so a step without a request for log-probabilities pays nothing for them. A vocabulary wider
+    than ``vocab_chunk`` is read ``vocab_chunk`` columns at a time (:func:`chunked_logprobs`)."""
     shape = targets.shape
 
     def compute(logits, targets):
+        if logits.shape[-1] > vocab_chunk:
+            return chunked_logprobs(logits, targets, k, vocab_chunk)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         own = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
         top, ids = jax.lax.top_k(logp, k)
@@ -48,3 +58,34 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, k: int, wanted: jax.Ar
                 jnp.zeros((*shape, k), jnp.int32))
 
     return jax.lax.cond(wanted, compute, skip, logits, targets)
+
+
+def chunked_logprobs(logits: jax.Array, targets: jax.Array, k: int, chunk: int):
+    """:func:`token_logprobs`' values, one pass over ``chunk`` vocabulary columns at a time: a running
+    max and rescaled sum of exponentials (the log-sum-exp), the target's logit picked up in its pass, and
+    the top ``k`` merged pass by pass (earlier ids first among ties, as ``lax.top_k`` over the whole row).
+    The last pass starts at ``V - chunk`` and ignores the columns an earlier pass read."""
+    vocab = logits.shape[-1]
+    lead = targets.shape
+    targets = targets.astype(jnp.int32)
+
+    def one_pass(carry, i):
+        high, total, own, top, ids = carry
+        start = jnp.minimum(i * chunk, vocab - chunk)
+        cols = start + jnp.arange(chunk, dtype=jnp.int32)
+        x = jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=-1).astype(jnp.float32)
+        x = jnp.where(cols >= i * chunk, x, -jnp.inf)  # read by the previous pass
+        new_high = jnp.maximum(high, jnp.max(x, axis=-1))
+        total = total * jnp.exp(high - new_high) + jnp.sum(jnp.exp(x - new_high[..., None]), axis=-1)
+        here = (targets >= i * chunk) & (targets < start + chunk)
+        picked = jnp.take_along_axis(x, jnp.clip(targets - start, 0, chunk - 1)[..., None], axis=-1)[..., 0]
+        own = jnp.where(here, picked, own)
+        top, pos = jax.lax.top_k(jnp.concatenate([top, x], axis=-1), k)
+        ids = jnp.take_along_axis(jnp.concatenate([ids, jnp.broadcast_to(cols, x.shape)], axis=-1), pos, axis=-1)
+        return (new_high, total, own, top, ids), None
+
+    start = (jnp.full(lead, -jnp.inf), jnp.zeros(lead), jnp.zeros(lead), jnp.full((*lead, k), -jnp.inf),
+             jnp.zeros((*lead, k), jnp.int32))
+    (high, total, own, top, ids), _ = jax.lax.scan(one_pass, start, jnp.arange(-(-vocab // chunk)))
+    lse = high + jnp.log(total)
+    return own - lse, top - lse[..., None], ids
