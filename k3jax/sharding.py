@@ -172,13 +172,16 @@ SERVING_WEIGHT_RULES: Rules = (
     ("mlp", MODEL_PARALLEL),
     ("latent", MODEL_PARALLEL),
     ("expert", MODEL_PARALLEL),
-    # Fallbacks, claimed after the names above: the model dimension of a weight with no such dimension or one
-    # that does not divide the devices (K3's 96 heads over 64: row-parallel, the partial sums all-reduced),
-    # then MLA's latent ranks (q_b / kv_b where their heads do not divide).
-    ("embed", MODEL_PARALLEL),
+    # The low ranks: MLA's q_a / kv_a and KDA's gate down-projections split by output column (their small
+    # outputs are gathered for the up-projections, which split by head); q_b / kv_b by rank where their heads
+    # do not divide the devices.
     ("q_lora", MODEL_PARALLEL),
     ("kv_lora", MODEL_PARALLEL),
-    *((name, ()) for name in ("expert_in", "expert_mlp", "layers", "head_dim", "gate_rank", "conv", "norm")),
+    ("gate_rank", MODEL_PARALLEL),
+    # The fallback, claimed last: the model dimension of a weight whose heads do not divide the devices (K3's
+    # 96 over 64: row-parallel, the partial sums all-reduced), and of the residual stream's vectors.
+    ("embed", MODEL_PARALLEL),
+    *((name, ()) for name in ("expert_in", "expert_mlp", "layers", "head_dim", "conv", "norm")),
 )
 # Decode: the batch's activations whole on every device (a few KB per token), the MLA cache's rows split
 # over the devices (each attends its own rows with every head: the queries move, not the cache), its slots

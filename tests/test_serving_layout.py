@@ -28,8 +28,8 @@ def test_serving_tables_split_weights_where_they_are_used():
     # MLA's q_b [q_lora, heads, 192]: by heads where they divide, else by the latent rank
     assert logical_to_spec(("q_lora", "heads", "head_dim"), decode, v5p_64, (1536, 96, 192)) == P(None, "expert", None)
     assert logical_to_spec(("q_lora", "heads", "head_dim"), decode, v5p_128, (1536, 96, 192)) == P("expert", None, None)
-    # a down-projection with no heads splits its model dimension; the router and experts by expert
-    assert logical_to_spec(("embed", "q_lora"), decode, v5p_64, (7168, 1536)) == P("expert", None)
+    # a low-rank down-projection splits its output columns; the router and experts by expert
+    assert logical_to_spec(("embed", "q_lora"), decode, v5p_64, (7168, 1536)) == P(None, "expert")
     assert logical_to_spec(("embed", "expert"), decode, v5p_64, (7168, 896)) == P(None, "expert")
     assert logical_to_spec(("expert", "expert_in", "expert_mlp"), decode, v5p_64, (896, 3584, 3072)) == \
         P("expert", None, None)

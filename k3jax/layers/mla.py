@@ -18,6 +18,11 @@ from k3jax.ops.rope import apply_rope, rope_frequencies, yarn_softmax_scale
 from k3jax.ops.saved_names import MIXER_OUTPUTS, MIXER_PROJECTIONS
 from k3jax.parallel import cache_attention as cache_parallel
 from k3jax.parallel import sequence as seq_parallel
+from k3jax.sharding import constrain_activation
+
+
+# The absorbed queries [B, T, H, r + R] against a cache whose rows are not slot-split: as the cache's rows.
+CACHE_QUERY_AXES = ("cache_batch", None, None, None)
 
 
 class MLA(nnx.Module):
@@ -149,6 +154,9 @@ class MLA(nnx.Module):
                                                    scale=self.softmax_scale)  # [B, T, H, r]
         else:
             kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            # the queries laid out as the cache's rows, once: left to GSPMD, the serving layout's head-split
+            # queries were moved to the rows' devices inside the loop, once per key block
+            q = constrain_activation(q, CACHE_QUERY_AXES)
             o_lat = chunked_attention(q, kv[:, :, None], ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
                                       scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
