@@ -2,7 +2,8 @@
 log-probabilities with the cache equal those without it, for prompts sharing none, part, all of a
 cached prefix, up to and across a block (KDA snapshot) boundary, prefilled alone or together with
 different cached prefix lengths, under eviction; a hit runs only the prompt's uncached tokens (counted
-in /metrics); a request that scores its prompt (echo) is never served from the cache. Also the block
+in /metrics); generated tokens are cached too (a next turn resumes after the reply); a request that scores
+its prompt (echo) is never served from the cache. Also the block
 trie's LRU eviction on its own and the server's options."""
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ def test_batched_prefill_mixes_cached_prefix_lengths_under_eviction(engine):
     burst = [a[:9] + [4, 4], a + [9], b[:18] + [3, 3, 3], rng.integers(0, 256, 6).tolist()]
     later = [a, b, a[:17]]
     with cache_off(engine):
-        want = [run(engine, [p])[0] for p in [a[:20], b[:10], *burst, *later]]
+        want = [run(engine, [p], max_tokens=3)[0] for p in [a[:20], b[:10]]]
+        want += [run(engine, [p])[0] for p in [*burst, *later]]
     with fresh_cache(engine, 3 * BLOCK) as cache:
-        got = run(engine, [a[:20], b[:10]])  # caches a's first two blocks and b's first
+        # caches a's first two blocks and b's first (3 tokens generated: no reply completes a block)
+        got = run(engine, [a[:20], b[:10]], max_tokens=3)
         assert cache.tokens == 3 * BLOCK
         assert [len(cache.lookup(p, len(p) - 1)) for p in (a, b)] == [2, 1]
         before = counters(engine)
@@ -129,6 +132,25 @@ def test_batched_prefill_mixes_cached_prefix_lengths_under_eviction(engine):
         assert cache.tokens <= 3 * BLOCK
         got += [run(engine, [p])[0] for p in later]
         assert cache.tokens <= 3 * BLOCK
+    assert_same(got, want)
+
+
+def test_a_next_turn_resumes_after_the_previous_reply(engine):
+    """Generated tokens are cached as decoding completes their blocks: a prompt that repeats an earlier
+    prompt and its reply (a conversation's next turn) hits the blocks that end inside the reply, and its
+    outputs equal the uncached ones."""
+    rng = np.random.default_rng(2)
+    first = rng.integers(0, 256, 11).tolist()  # with NEW = 5 generated: blocks end at 8 (prompt) and 16 (reply)
+    with cache_off(engine):
+        reply = run(engine, [first], max_tokens=2 * BLOCK)[0][0]
+        turn = first + reply + [5, 6, 7]
+        want = run(engine, [turn])
+    with fresh_cache(engine, 32 * BLOCK) as cache:
+        assert run(engine, [first], max_tokens=2 * BLOCK)[0][0] == reply
+        assert len(cache.lookup(turn, len(turn) - 1)) == (len(first) + len(reply)) // BLOCK  # 3 blocks: to 24
+        before = counters(engine)
+        got = run(engine, [turn])
+        assert counters(engine)[1] - before[1] == 3 * BLOCK
     assert_same(got, want)
 
 

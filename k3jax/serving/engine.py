@@ -40,15 +40,8 @@ A step runs the smallest of the decode programs (for 1, 2, 4, ... rows, and ``ma
 covers the last busy row, on the pool's leading rows (``cache.first_rows``); requests take the
 lowest free row, so a few concurrent requests cost a few rows' work, not the whole pool's.
 
-Prefix cache (``prefix_cache_tokens`` > 0; ``k3jax.serving.prefix_cache``): after each whole chunk
-that ends a block of ``prefix_cache_block`` prompt tokens, the row's snapshot there (the block's MLA
-latent slots, copied out, and its KDA states and conv tails: ``cache.read_block``) joins a block
-trie. A new prompt (one that does not ask for its prompt's log-probabilities) looks up its longest
-cached block prefix (leaving at least its last token to run): the blocks are written into its prefill
-row (``cache.write_block``) and only the rest is prefilled, with the same chunk boundaries as without
-the cache. Blocks are copied, not shared: a pool row is one contiguous run of slots that moves
-(``shift_slots``), not a table of blocks. They stay on the device (a hit costs copies there, no
-transfer); the token budget bounds them, least recently used leaves evicted first.
+Prefix cache (``prefix_cache_tokens`` > 0): blocks of prompt and generated tokens snapshotted as
+prefill and decoding complete them, resumed by later prompts (``k3jax.serving.prefix_cache``).
 
 The device programs (``k3jax.serving.programs``) have fixed shapes (pool, chunk, row index and shifts
 are traced), so each compiles once (in ``warmup``), whatever requests come and go. A request is a
@@ -82,7 +75,7 @@ from k3jax.runtime.host_memory import keep_host_memory, keeps_host_memory
 from k3jax.model import K3Model, unroll_layers as unrolled
 from k3jax.serving.logprobs import MAX_LOGPROBS, read_logprobs
 from k3jax.serving.metrics import Metrics
-from k3jax.serving.prefill import Prefill, piece_widths, plan_pieces
+from k3jax.serving.prefill import Prefill, piece_widths, plan_pieces, take_prompts
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.programs import Programs
 from k3jax.serving.request import Sequence
@@ -217,6 +210,8 @@ class Engine:
                 if self.prefix_cache is not None:
                     block = self._programs.read_block[rows](cache, np.int32(0), np.int32(0))
                     cache = self._programs.write_block[rows](cache, np.int32(0), np.int32(0), block)
+                    if self._programs.read_pool_block is not None:
+                        self._programs.read_pool_block(self._pool, np.int32(0), np.int32(0))
                 self._pool, self._logits, self._keys = self._programs.insert(
                     self._pool, self._logits, self._keys, np.int32(0), cache, np.int32(0), last, np.uint32(0))
             self._realign(0)
@@ -421,21 +416,10 @@ class Engine:
         return self.prefix_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
     def _take_prompts(self, n: int) -> tuple[list[Sequence], list[list]]:
-        """Up to ``n`` waiting requests to prefill together, and each one's cached prefix
-        nodes. Their slots must fit the prefill cache (``max_len + prefill_chunk``): the longest cached
-        prefix, then whole chunks for the longest uncached rest, then < one chunk of remainder pieces."""
-        seqs, hits, prefix, chunks, p = [], [], 0, 0, self.prefill_chunk
-        while self._queue and len(seqs) < n:
-            seq = self._queue[0]
-            nodes = self._cached_prefix(seq)
-            h = len(nodes) * (self.prefix_cache.block if nodes else 0)
-            grown = (max(prefix, h), max(chunks, (len(seq.prompt) - h) // p))
-            if seqs and grown[0] + grown[1] * p > self.max_len + 1:
-                break
-            prefix, chunks = grown
-            seqs.append(self._queue.popleft())
-            hits.append(nodes)
-        return seqs, hits
+        """Up to ``n`` waiting requests to prefill together, and each one's cached prefix nodes
+        (``prefill.take_prompts``)."""
+        block = self.prefix_cache.block if self.prefix_cache is not None else 0
+        return take_prompts(self._queue, n, self._cached_prefix, block, self.prefill_chunk, self.max_len)
 
     def _start_prefill(self, seqs: list[Sequence], hits: list[list]):
         """Prefill ``seqs`` (1 <= len <= prefill_batch, no more than the free rows) together, each after
@@ -532,8 +516,21 @@ class Engine:
         tokens, scored, rollout = self._decode(min(r for r in self.decode_programs if r > last), active)
         self._filled[active] += 1
         self._queued[active] += 1
-        self._inflight.append((tokens, scored, rollout, rows))
+        self._inflight.append((tokens, scored, rollout, rows, self._snapshot_generated(active)))
         return True
+
+    def _snapshot_generated(self, active: np.ndarray) -> list:
+        """The pool rows whose tokens (prompt and generated) now end a prefix-cache block, each with its
+        snapshot there (``cache.read_block``: the block's slots end at the write position): ``[(row, end,
+        snapshot)]``, inserted into the cache once the step's tokens are read. A conversation's next turn,
+        whose prompt repeats this one and its reply, then resumes after the reply."""
+        programs = self._programs
+        if self.prefix_cache is None or self.record_routes or programs.read_pool_block is None:
+            return []
+        block = self.prefix_cache.block
+        start = np.int32(self._length - block)
+        return [(r, int(self._filled[r]), programs.read_pool_block(self._pool, np.int32(r), start))
+                for r in np.flatnonzero(active) if self._filled[r] % block == 0]
 
     def _decode(self, rows: int, active: np.ndarray):
         """Queue the ``rows``-row decode program (every active row below ``rows``); -> its tokens, their
@@ -547,7 +544,7 @@ class Engine:
     def _read_step(self):
         """Wait for the oldest queued step's tokens and hand each to its request (one that ended
         since the step was queued gets nothing)."""
-        tokens, scored, rollout, rows = self._inflight.popleft()
+        tokens, scored, rollout, rows, snapshots = self._inflight.popleft()
         tokens = np.asarray(tokens)
         if self.record_routes:
             sampled, routes = (np.asarray(a) for a in rollout)
@@ -578,6 +575,10 @@ class Engine:
             if reason is not None:
                 self._rows[r] = None
                 self._finish(seq, reason)
+        if snapshots:
+            self.prefix_cache.insert_generated([(rows[r].prompt + rows[r].generated, end, snapshot)
+                                                for r, end, snapshot in snapshots])
+            self.metrics.prefix_cache_size(self.prefix_cache.tokens)
         self.metrics.tokens(generated=generated)
         self.metrics.step(self.active_count(), len(self._queue))
 

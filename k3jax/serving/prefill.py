@@ -60,6 +60,24 @@ def plan_pieces(prompts: list[list[int]], done: list[int], rows: int, widths: li
     return pieces
 
 
+def take_prompts(queue, n: int, cached_prefix, block: int, chunk: int, max_len: int) -> tuple[list, list]:
+    """Up to ``n`` requests taken from the front of ``queue`` (a deque of Sequences) to prefill together, and
+    each one's cached prefix nodes (``cached_prefix(seq)``, ``block`` tokens each). Their slots must fit the
+    prefill cache (``max_len + chunk``): the longest cached prefix, then whole chunks for the longest uncached
+    rest, then < one chunk of remainder pieces."""
+    seqs, hits, prefix, chunks = [], [], 0, 0
+    while queue and len(seqs) < n:
+        nodes = cached_prefix(queue[0])
+        h = len(nodes) * block
+        grown = (max(prefix, h), max(chunks, (len(queue[0].prompt) - h) // chunk))
+        if seqs and grown[0] + grown[1] * chunk > max_len + 1:
+            break
+        prefix, chunks = grown
+        seqs.append(queue.popleft())
+        hits.append(nodes)
+    return seqs, hits
+
+
 @dataclasses.dataclass
 class Prefill:
     """A prefill in progress: its requests, their pieces, its cache and the pieces' outputs so far, which

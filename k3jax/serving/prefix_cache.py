@@ -9,6 +9,18 @@ KDA layers carry the whole prefix in a fixed-size state, not in per-token slots,
 resume where a snapshot was taken: at a block boundary, from the deepest cached node on the prompt's
 path.
 
+How the engine (``k3jax.serving.engine``) uses it: after each whole prefill chunk that ends a block of
+``prefix_cache_block`` prompt tokens, and after each decode step that completes a block of a row's prompt
+and generated tokens, the row's snapshot there (the block's MLA latent slots, copied out, and its KDA
+states and conv tails: ``cache.read_block``) joins the trie (a generated block once the step's tokens are
+read: they are its key). So a conversation's next turn, whose prompt repeats the last one and its reply,
+resumes after the reply. A new prompt (one that does not ask for its prompt's log-probabilities) looks up
+its longest cached block prefix (leaving at least its last token to run): the blocks are written into its
+prefill row (``cache.write_block``) and only the rest is prefilled, with the same chunk boundaries as
+without the cache. Blocks are copied, not shared: a pool row is one contiguous run of slots that moves
+(``shift_slots``), not a table of blocks. They stay on the device (a hit costs copies there, no
+transfer).
+
 Memory is bounded by ``max_tokens`` (``block`` tokens per node): inserting past it evicts the least
 recently used leaves (a node is used when a lookup or an insert passes through it); an inner node is
 evicted only once its children are, so every node's prefix stays whole. Host-side bookkeeping only:
@@ -94,6 +106,14 @@ class PrefixCache:
         parent.children[key] = node
         self._nodes.add(node)
         return True
+
+    def insert_generated(self, blocks) -> None:
+        """Insert ``[(tokens, end, value)]``, blocks a decode step completed: each the prefix ``tokens[:end]``
+        of a request's prompt and generated tokens, skipped where the request stopped before ``end`` (its
+        token at ``end`` was dropped) or the prefix is cached already."""
+        for tokens, end, value in blocks:
+            if len(tokens) == end and not self.has(tokens, end):
+                self.insert(tokens, end, value)
 
     def _evict(self, node: Node) -> None:
         del node.parent.children[node.key]

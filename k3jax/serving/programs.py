@@ -118,7 +118,7 @@ class Programs:
     - ``prefill[rows, width]`` (``prefill_program``), ``insert``, ``realign(pool, shift)``;
     - ``decode[rows]`` (``decode_program``) for 1, 2, 4, ... and ``max_batch`` rows;
     - with a prefix cache, ``read_block[rows](cache, row, start)``, ``write_block[rows](cache, row, start,
-      block)`` and ``empty_block`` (a block's shape, unjitted)."""
+      block)``, ``read_pool_block(pool, row, start)`` and ``empty_block`` (a block's shape, unjitted)."""
 
     def __init__(self, graphdef, cfg, plan, *, max_batch: int, max_len: int, prefill_chunk: int, prefill_batch: int,
                  widths: list[int], block: int | None, mesh, record_routes: bool, layouts: tuple[Layout, Layout]):
@@ -165,6 +165,10 @@ class Programs:
                                for r in sizes}
             self.write_block = {r: jit(write_block, out_shardings=pre_sh[r], layout=prefilling, donate_argnums=(0,))
                                 for r in sizes}
+            # a pool row's block of prompt and generated tokens, as decoding reaches its end (the pool is the
+            # decode layout's); None when a block is longer than a row
+            self.read_pool_block = (jit(functools.partial(read_block, size=block), out_shardings=rep)
+                                    if block <= max_len else None)
         self.insert = jit(insert, out_shardings=(pool_sh, rep, rep), donate_argnums=(0, 1, 2))
         self.realign = jit(realign, out_shardings=pool_sh, donate_argnums=(0,))
         decode = decode_program(graphdef, record_routes=record_routes)
