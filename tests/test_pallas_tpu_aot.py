@@ -119,3 +119,39 @@ def test_grouped_glu_experts_forward_backward_compiles(mesh):
                                 ((E_shard, D, F), BF16), ((E_shard, F, D), BF16))
     print(f"grouped_glu_experts fwd+bwd: {secs:.1f} s")
     assert compiled.as_text().count("tpu_custom_call") >= 3  # forward gmm plus the two backward products
+
+
+@pytest.mark.parametrize("weight", ["gate", "down"])
+def test_mxfp4_grouped_matmul_compiles(mesh, weight):
+    """The MXFP4 kernel, K3's widths in both orientations (gate / up: in 3584 -> out 3072; down: back), the
+    weights as stored (uint8 codes [E, out, in/2], scales [E, out, in/32]); decode-sized rows too."""
+    from pallas_kernels.moe import MXFP4, gmm_mxfp4
+
+    n_in, n_out = (D, F) if weight == "gate" else (F, D)
+    fn = lambda x, p, s, gs: gmm_mxfp4(x, MXFP4(p, s), gs, interpret=False)
+    for rows in (M, 8):
+        compiled, secs = compile_on(mesh, fn, ((rows, n_in), BF16), ((E, n_out, n_in // 2), jnp.uint8),
+                                    ((E, n_out, n_in // 32), jnp.uint8), ((E,), I32))
+        print(f"gmm_mxfp4 {weight} {rows} rows: {secs:.1f} s")
+        assert "gmm_mxfp4" in compiled.as_text()
+
+
+def test_grouped_glu_experts_mxfp4_forward_backward_compiles(mesh):
+    """The expert GLU over MXFP4 weights (an 8-way expert-parallel shard of K3), forward and the input's
+    gradient (LoRA over frozen experts): three MXFP4 kernels forward, ``gmm`` on the decoded weights back."""
+    from pallas_kernels.moe import MXFP4, grouped_glu_experts
+
+    N, k, E_shard = 256, 16, 112
+    U8 = jnp.uint8
+
+    def fwd_bwd(x, experts, pg, sg, pu, su, pd, sd):
+        ws = (MXFP4(pg, sg), MXFP4(pu, su), MXFP4(pd, sd))
+        loss = lambda x: jnp.sum(grouped_glu_experts(x, experts, *ws, activation="situ_glu", **TPU).astype(F32))
+        return jax.value_and_grad(loss)(x)
+
+    gate = [((E_shard, F, D // 2), U8), ((E_shard, F, D // 32), U8)]
+    down = [((E_shard, D, F // 2), U8), ((E_shard, D, F // 32), U8)]
+    compiled, secs = compile_on(mesh, fwd_bwd, ((N, D), BF16), ((N, k), I32), *gate, *gate, *down)
+    print(f"grouped_glu_experts mxfp4 fwd+bwd: {secs:.1f} s")
+    text = compiled.as_text()
+    assert text.count("gmm_mxfp4") >= 3 and "tpu_custom_call" in text

@@ -137,20 +137,50 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=No
     tm, tk, tn = tiling
     tm = min(tm, _round_up(M, 8))
     tk, tn = _tile(D, tk), _tile(F, tn)
-    Mp = _round_up(M, tm)
-    x = jnp.pad(lhs, ((0, Mp - M), (0, 0)))
-    offsets, group_ids, tile_ids, num_steps = group_metadata(group_sizes, Mp, tm, visit_empty=False)
-    tiles_k = D // tk
+    dims = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
 
-    def kernel(offsets_ref, group_ids_ref, tile_ids_ref, x_ref, w_ref, o_ref, acc_ref):
+    def product(x_refs, w_refs, kk):
+        return _dot(x_refs[0][...].astype(cdt), w_refs[0][...].astype(cdt), dims)
+
+    w_block = (tn, tk) if transpose_rhs else (tk, tn)
+    w_index = (lambda g, n, kk: (g, n, kk)) if transpose_rhs else (lambda g, n, kk: (g, kk, n))
+    isz = lambda d: jnp.dtype(d).itemsize
+    rows = _cost_rows(M, expected_rows, E, tm)
+    cost = pl.CostEstimate(
+        flops=2 * rows * D * F, transcendentals=0,
+        bytes_accessed=rows * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + rows * F * isz(out_dtype))
+    return grouped_rows_call(product, (lhs,), tk, ((rhs, w_block, w_index),), group_sizes, out_cols=F, tm=tm,
+                             tn=tn, out_dtype=out_dtype, interpret=interpret, cost=cost, name="gmm")
+
+
+def grouped_rows_call(product, lhs_parts, tk, rhs_parts, group_sizes, *, out_cols, tm, tn, out_dtype, interpret,
+                      cost, name):
+    """The TPU grid of ``gmm``, for any weight operand: ``out[r] = sum_kk product(...)`` over the row tiles
+    of each group (``group_metadata``), with the store's row mask and zeros past ``sum(group_sizes)``.
+
+    lhs_parts: arrays ``[M, K]`` (one, or the column planes a weight format pairs with), read in
+    ``(tm, tk)`` blocks of the step's row tile; ``K // tk`` contraction steps. rhs_parts: ``(array,
+    block_shape, index(g, n, kk))`` per weight array, the block's leading expert dimension squeezed.
+    ``product(x_refs, w_refs, kk) -> [tm, tn]`` float32: one step's partial product. Returns
+    ``[M, out_cols]`` in ``out_dtype``; tm is capped at M rounded up to 8.
+    """
+    M, K = lhs_parts[0].shape
+    tm = min(tm, _round_up(M, 8))
+    Mp = _round_up(M, tm)
+    xs = tuple(jnp.pad(x, ((0, Mp - M), (0, 0))) for x in lhs_parts)
+    offsets, group_ids, tile_ids, num_steps = group_metadata(group_sizes, Mp, tm, visit_empty=False)
+    tiles_k = K // tk
+    n_x, n_w = len(xs), len(rhs_parts)
+
+    def kernel(offsets_ref, group_ids_ref, tile_ids_ref, *refs):
+        x_refs, w_refs, (o_ref, acc_ref) = refs[:n_x], refs[n_x:n_x + n_w], refs[n_x + n_w:]
         t, kk = pl.program_id(1), pl.program_id(2)
 
         @pl.when(kk == 0)
         def _():
             acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
 
-        dims = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
-        acc_ref[...] += _dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), dims)
+        acc_ref[...] += product(x_refs, w_refs, kk)
 
         @pl.when(kk == tiles_k - 1)
         def _():
@@ -160,31 +190,26 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tiling=None, out_dtype=No
             old = jnp.where(first_visit, 0.0, o_ref[...].astype(F32))
             o_ref[...] = jnp.where(mask, acc_ref[...], old).astype(o_ref.dtype)
 
-    if transpose_rhs:
-        w_spec = pl.BlockSpec((pl.Squeezed(), tn, tk), lambda n, t, kk, off, gid, tid: (gid[t], n, kk))
-    else:
-        w_spec = pl.BlockSpec((pl.Squeezed(), tk, tn), lambda n, t, kk, off, gid, tid: (gid[t], kk, n))
+    def w_spec(block, index):
+        return pl.BlockSpec((pl.Squeezed(), *block), lambda n, t, kk, off, gid, tid: index(gid[t], n, kk))
+
+    x_spec = pl.BlockSpec((tm, tk), lambda n, t, kk, off, gid, tid: (tid[t], kk))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(F // tn, num_steps, tiles_k),
-        in_specs=[pl.BlockSpec((tm, tk), lambda n, t, kk, off, gid, tid: (tid[t], kk)), w_spec],
+        grid=(out_cols // tn, num_steps, tiles_k),
+        in_specs=[x_spec] * n_x + [w_spec(block, index) for _, block, index in rhs_parts],
         out_specs=pl.BlockSpec((tm, tn), lambda n, t, kk, off, gid, tid: (tid[t], n)),
         scratch_shapes=[pltpu.VMEM((tm, tn), F32)],
     )
-    isz = lambda d: jnp.dtype(d).itemsize
-    rows = _cost_rows(M, expected_rows, E, tm)
-    cost = pl.CostEstimate(
-        flops=2 * rows * D * F, transcendentals=0,
-        bytes_accessed=rows * D * isz(lhs.dtype) * (F // tn) + E * D * F * isz(rhs.dtype) + rows * F * isz(out_dtype))
     out = pl.pallas_call(
         kernel,
-        out_shape=out_struct((Mp, F), out_dtype, x),
+        out_shape=out_struct((Mp, out_cols), out_dtype, xs[0]),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         cost_estimate=cost,
-        name="gmm",
-    )(offsets, group_ids, tile_ids, x, rhs)
+        name=name,
+    )(offsets, group_ids, tile_ids, *xs, *(w for w, _, _ in rhs_parts))
     out = out[:M]
     # rows past the last group are never stored: zero them (a tile may hold only such rows)
     valid = jnp.arange(M) < offsets[-1]
