@@ -641,7 +641,7 @@ def table(b: Breakdown, analytic: dict[str, float] | None = None, *, devices: in
         hbm = sum(v for (q, _), v in b.hbm_bytes.items() if q == p) / 1e9
         rows.append(f"| {p} | " + " | ".join(f"{b.flops.get((p, ph), 0.0):.3e}" for ph in PHASES)
                     + f" | {f:.3e} | {f / total:.1%} | {a:.3e} | {(f / a if a else float('nan')):.2f} | {hbm:.1f} |")
-    rows.append(f"| **total** | " + " | ".join(f"{b.phase_flops(ph):.3e}" for ph in PHASES)
+    rows.append("| **total** | " + " | ".join(f"{b.phase_flops(ph):.3e}" for ph in PHASES)
                 + f" | {b.total_flops:.3e} | 100% | {sum(analytic.values()) / devices:.3e} | "
                 + f"{b.total_flops / (sum(analytic.values()) / devices) if analytic else float('nan'):.2f} | "
                 + f"{sum(b.hbm_bytes.values()) / 1e9:.1f} |")

@@ -50,7 +50,8 @@ from k3jax.training import checkpoint
 from k3jax.training.run_lock import lock_run_dir
 from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
-from k3jax.training.trainer import _placed, _Saver, _StopRequest, clear_run_dir, start_state
+from k3jax.training.stop_request import StopRequest
+from k3jax.training.trainer import clear_run_dir, ready_state, start_state
 
 
 class PromptState:
@@ -184,7 +185,7 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     ts, start, base = start_state(cfg, mesh, mngr, out / "checkpoints", position, reschedule=reschedule)
     storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
-    state = _placed(state, mesh)
+    state = ready_state(state, mesh)
     # The engine decodes with the trainer's arrays (scanned layers, the training mesh and layout): no copy of
     # the weights
     engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=min(tc.seq_len + 1,
@@ -208,11 +209,11 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
         tqdm.write(f"held-out reward before RL: {result['eval_before']}")
     step = start
     bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
-    saver = _Saver(mngr, cfg, graphdef, position, base)
+    saver = checkpoint.Saver(mngr, cfg, graphdef, position, base)
     replay = replays(cfg)
     profiler = StepProfiler(tc.profile, out)  # traces whole RL steps: rollout, scoring and updates
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             while step < tc.steps and not stop.signum:
                 profiler.before(step + 1)
                 record = {}

@@ -22,6 +22,7 @@ one mesh resumes, or is served, on another (``mesh`` is free to change on resume
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 
@@ -327,7 +328,42 @@ def _diff(a: dict, b: dict, prefix: str = "model") -> str:
     return "; ".join(out)
 
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "TRAIN_ITEMS",
-           "directory_of", "latest_step", "load_base",
-           "manager", "resolve_base", "restore_adapters", "restore_base", "restore_config", "restore_model", "restore_train_state",
-           "save_model", "save_train_state", "train_items"]
+class Saver:
+    """Saves of the training state through one checkpoint manager; a failed save (raised by orbax when
+    it is made, or, asynchronous, when the next one starts or the run waits for it) becomes a
+    :class:`CheckpointSaveError` naming the step and the reason."""
+
+    def __init__(self, mngr, cfg: Config, graphdef, data_iter, base):
+        self.mngr, self.cfg, self.graphdef, self.data_iter, self.base = mngr, cfg, graphdef, data_iter, base
+        self.pending: int | None = None  # the step of the save that may still be in flight
+
+    def save(self, step: int, state) -> None:
+        try:
+            save_train_state(self.mngr, step, self.cfg, nnx.merge(self.graphdef, state), self.data_iter,
+                                        base=self.base)
+        except Exception as e:  # noqa: BLE001 - any write failure stops the run the same way
+            raise self._failed(self.pending if self.pending is not None else step, e) from e
+        self.pending = step
+
+    def wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(self.pending, e) from e
+        self.pending = None
+
+    def _failed(self, step, error: Exception) -> CheckpointSaveError:
+        with contextlib.suppress(Exception):
+            self.mngr.reload()
+        complete = [s for s in self.mngr.all_steps() if s != step]
+        kept = (f"the latest complete checkpoint, step {max(complete)}, is intact and the same command resumes "
+                f"from it" if complete else "no earlier checkpoint exists")
+        return CheckpointSaveError(
+            f"saving checkpoint {self.mngr.directory}/{step} failed ({_summary(error)}); {kept}. "
+            f"Free space or fix the checkpoint directory's permissions, then run the same command.")
+
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "Saver",
+           "TRAIN_ITEMS", "directory_of", "latest_step", "load_base", "manager", "resolve_base", "restore_adapters",
+           "restore_base", "restore_config", "restore_model", "restore_train_state", "save_model", "save_train_state",
+           "train_items"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import signal
-import threading
 import time
 
 import jax
@@ -52,6 +51,7 @@ from k3jax.optim import learning_rate_schedule
 from k3jax.training.run_lock import LOCK_FILE, RunLockedError, lock_run_dir
 from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
+from k3jax.training.stop_request import StopRequest
 from k3jax.sharding import abstract_with_shardings, make_mesh, shard_batch, state_shardings, use_mesh
 from k3jax.training.step import (TrainState, abstract_train_state, expert_imbalance_layers, init_train_state,
                                  make_eval_step, make_train_step)
@@ -69,36 +69,6 @@ class ScheduleChangeError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (``train.max_nonfinite_steps``)."""
-
-
-# The signals that stop a run at the next step boundary with a checkpoint: Ctrl-C, and what a preempted
-# Cloud TPU spot VM or a Kubernetes eviction sends (about 30 s before SIGKILL).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _StopRequest(contextlib.AbstractContextManager):
-    """Turns the first SIGINT / SIGTERM into a request honoured between steps (so the state is never
-    caught half-donated); a second one interrupts at once."""
-
-    def __init__(self):
-        self.signum = 0  # the signal's number once requested
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        tqdm.write(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint (send it again "
-                   f"to abort)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
 
 
 def _agreed(flag: bool) -> bool:
@@ -252,7 +222,7 @@ def _compile_together(step_fn, state, batches):
     return compiled, itertools.chain([first], batches)
 
 
-def _placed(state, mesh):
+def ready_state(state, mesh):
     """A train state ready to step: what a checkpoint does not hold (the count of updates skipped by the
     NaN guard) restarts at zero, and on a one-device mesh everything is placed on it."""
     state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
@@ -289,7 +259,7 @@ def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_
         checkpoint.load_base(ts.model, base, mesh)
     tqdm.write(f"{what}: rolled back to checkpoint {latest}; training goes on with the batches after step "
                f"{nonfinite[-1]}")
-    return _placed(nnx.split(ts)[1], mesh), latest
+    return ready_state(nnx.split(ts)[1], mesh), latest
 
 
 def start_state(cfg: Config, mesh, mngr, checkpoints, data_iter, *, reschedule: bool):
@@ -319,41 +289,6 @@ def start_state(cfg: Config, mesh, mngr, checkpoints, data_iter, *, reschedule: 
     return ts, start, base
 
 
-class _Saver:
-    """Saves of the training state through one checkpoint manager; a failed save (raised by orbax when
-    it is made, or, asynchronous, when the next one starts or the run waits for it) becomes a
-    :class:`~k3jax.training.checkpoint.CheckpointSaveError` naming the step and the reason."""
-
-    def __init__(self, mngr, cfg: Config, graphdef, data_iter, base):
-        self.mngr, self.cfg, self.graphdef, self.data_iter, self.base = mngr, cfg, graphdef, data_iter, base
-        self.pending: int | None = None  # the step of the save that may still be in flight
-
-    def save(self, step: int, state) -> None:
-        try:
-            checkpoint.save_train_state(self.mngr, step, self.cfg, nnx.merge(self.graphdef, state), self.data_iter,
-                                        base=self.base)
-        except Exception as e:  # noqa: BLE001 - any write failure stops the run the same way
-            raise self._failed(self.pending if self.pending is not None else step, e) from e
-        self.pending = step
-
-    def wait(self) -> None:
-        try:
-            self.mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(self.pending, e) from e
-        self.pending = None
-
-    def _failed(self, step, error: Exception) -> checkpoint.CheckpointSaveError:
-        with contextlib.suppress(Exception):
-            self.mngr.reload()
-        complete = [s for s in self.mngr.all_steps() if s != step]
-        kept = (f"the latest complete checkpoint, step {max(complete)}, is intact and the same command resumes "
-                f"from it" if complete else "no earlier checkpoint exists")
-        return checkpoint.CheckpointSaveError(
-            f"saving checkpoint {self.mngr.directory}/{step} failed ({checkpoint._summary(error)}); {kept}. "
-            f"Free space or fix the checkpoint directory's permissions, then run the same command.")
-
-
 def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict:
     tc = cfg.train
     main_process = distributed.is_main_process()
@@ -372,7 +307,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     if main_process:
         storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
-    state = _placed(state, mesh)
+    state = ready_state(state, mesh)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     step_fn = make_train_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     # no held-out split (train.data.eval_fraction = 0): no eval, and no eval step to compile
@@ -405,13 +340,13 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     batches = (shard_batch(counted(b), mesh) for b in train_iter)
     if jax.process_count() > 1 and step < tc.steps:
         step_fn, batches = _compile_together(step_fn, state, batches)
-    saver = _Saver(mngr, cfg, graphdef, train_iter, base)
+    saver = checkpoint.Saver(mngr, cfg, graphdef, train_iter, base)
     nonfinite: list[int] = []  # the current run of consecutive skipped steps
     rolled_back_to: set[int] = set()  # the checkpoints a rollback went back to (once each)
     skips_logged = 0
     profiler = StepProfiler(tc.profile, out)
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             stop_signal = _agreed_stop(stop.signum)
             while step < tc.steps and not stop_signal:
                 profiler.before(step + 1)
@@ -508,5 +443,5 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
             "interrupted": None}
 
 
-__all__ = ["DivergenceError", "STOP_SIGNALS", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from",
+__all__ = ["DivergenceError", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "ready_state",
            "start_state", "train"]
