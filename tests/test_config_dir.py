@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from cpu_devices import TESTS  # noqa: E402
-from test_hf_interop import kimi_linear_config, randomize_torch  # noqa: E402
+from test_hf_interop import byte_deepseek_config, kimi_linear_config, randomize_torch  # noqa: E402
 from k3jax.config import ConfigError, load_config  # noqa: E402
 from k3jax.interop import load_hf_config  # noqa: E402
 from k3jax.training.run_log import read_metrics  # noqa: E402
@@ -30,24 +30,13 @@ RUN = ["--sample-tokens", "0", "train.steps=1", "train.seq_len=16", "train.batch
        "train.data.eval_fraction=0"]
 
 
-def _deepseek_config():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=260, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=128, num_mtp_layers=0,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny DeepSeek-V3 (the byte tokenizer's ids fit its vocabulary), every weight away from its init."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(_deepseek_config()).eval()
+    model = DeepseekV3ForCausalLM(byte_deepseek_config()).eval()
     randomize_torch(model, 3)
     path = tmp_path_factory.mktemp("moonlet")
     model.save_pretrained(path)

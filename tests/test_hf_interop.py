@@ -124,6 +124,19 @@ def deepseek_config():
         max_position_embeddings=128, num_mtp_layers=0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def byte_deepseek_config():
+    """A tiny DeepSeek-V3 whose vocabulary (260) holds the byte tokenizer's ids: for the tests that train
+    or serve a Hugging Face directory through the command line."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=260, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=128, num_mtp_layers=0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 @pytest.fixture(scope="module")
 def kimi_linear_ckpt(tmp_path_factory, tokens):
     from transformers import KimiLinearForCausalLM
@@ -926,7 +939,7 @@ def test_kda_layer_gradients_against_float64(kimi_linear_ckpt):
         assert rel_err(yt.detach().numpy(), y64)[1] < 1e-5  # the reference is transformers' layer
         (yt * torch.tensor(dy, dtype=torch.float32)).sum().backward()
         t = {n: p.grad.double().numpy() for n, p in attn.named_parameters()}
-        HK, W = t["q_proj.weight"].shape[0], t["conv1d.weight"].shape[-1]
+        W = t["conv1d.weight"].shape[-1]
         conv = [c[:, 0, :].T.reshape(W, *ref["q_conv"].shape[1:]) for c in np.split(t["conv1d.weight"], 3)]
         lin = lambda w, like: w.T.reshape(like.shape)  # noqa: E731  torch [out, in] -> k3jax [in, ...]
         theirs = {"q_proj": lin(t["q_proj.weight"], ref["q_proj"]), "k_proj": lin(t["k_proj.weight"], ref["k_proj"]),

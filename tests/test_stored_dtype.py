@@ -24,22 +24,9 @@ from k3jax import create_model, load_config  # noqa: E402
 from k3jax.training import checkpoint  # noqa: E402
 from k3jax.interop.hf_load import checkpoint_dtype  # noqa: E402
 from k3jax.serving.loading import load_model, weight_bytes  # noqa: E402
+from test_hf_interop import byte_deepseek_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
-
-VOCAB = 260  # the byte tokenizer's ids fit
-
-
-def _config():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=128, num_mtp_layers=0,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -47,7 +34,7 @@ def saved(tmp_path_factory):
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(_config()).eval()
+    model = DeepseekV3ForCausalLM(byte_deepseek_config()).eval()
     out = {}
     for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         out[name] = tmp_path_factory.mktemp(name)

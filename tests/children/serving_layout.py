@@ -13,17 +13,11 @@ from k3jax.aot import Job, compile_job
 from k3jax.serving.engine import Engine
 from k3jax.serving.request import SamplingParams, Sequence
 from k3jax.sharding import make_mesh, parse_mesh, use_mesh
+from test_decode import K2_LIKE, KIMI_LINEAR_LIKE
 
 # Every split dimension divides 8: heads, experts, FFN, latent and vocabulary widths.
 WIDE = ["model.kda.num_heads=8", "model.mla.num_heads=8", "model.moe.num_experts=16", "model.num_layers=5",
         "model.max_seq_len=64", "train.seq_len=64"]
-K2_LIKE = ["model.layout=mla", "model.mla.rope=yarn", "model.mla.output_gate=false",
-           "model.mla.yarn={factor: 4.0, original_max_position: 16, beta_fast: 1.0, beta_slow: 1.0, "
-           "mscale: 1.0, mscale_all_dim: 1.0}", "model.attn_res.enabled=false", "model.activation=swiglu",
-           "model.moe.latent_dim=0"]
-KIMI_LINEAR_LIKE = ["model.kda.gate=softplus", "model.kda.output_gate=low_rank", "model.mla.q_lora_rank=0",
-                    "model.mla.output_gate=false", "model.attn_res.enabled=false", "model.activation=swiglu",
-                    "model.moe.latent_dim=0"]
 MODELS = {"k3": [], "k3_mxfp4": ["quant.experts=mxfp4"], "k2_like": K2_LIKE, "kimi_linear_like": KIMI_LINEAR_LIKE}
 MESH = "data=2,expert=4"  # the pool's 4 rows split over `data`, their slots over `expert` (flash-decoding)
 MAX_LEN, CHUNK, BLOCK, NEW = 48, 4, 8, 6
