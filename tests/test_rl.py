@@ -125,8 +125,25 @@ def test_the_first_update_has_ratio_one(rollout):
     assert abs(float(metrics["ratio"]) / tokens - 1.0) < 1e-5
     assert float(metrics["clipped_low"]) == 0 and float(metrics["clipped_high"]) == 0
     assert set(TOKEN_SUMS) <= set(metrics) and bool(metrics["finite"]) and float(metrics["grad_norm"]) > 0
+    assert not bool(metrics["zero_gradient"])
     moved = [not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state))]
     assert any(moved)
+
+
+def test_a_rollout_without_reward_variance_leaves_the_weights(rollout):
+    """Every group got one reward: every advantage is zero, the gradient is zero, and the update keeps the state
+    as it was (AdamW's momentum and weight decay would otherwise move the weights), optimizer count included."""
+    cfg, graphdef, state, _, _, batch, scored = rollout
+    import jax
+
+    flat = dict(batch, advantages=np.zeros(G * P, np.float32),
+                weights=np.asarray(token_weights(batch["mask"], "sequence")), old_logp=scored["logp"],
+                ref_logp=np.zeros_like(scored["logp"]))
+    step = make_rl_step(graphdef, cfg)
+    before = jax.tree.map(np.asarray, state)
+    new_state, metrics = step(jax.tree.map(lambda x: x.copy(), state), flat)
+    assert bool(metrics["finite"]) and bool(metrics["zero_gradient"]) and float(metrics["grad_norm"]) == 0
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state)))
 
 
 STOP_AT_ONCE = tuple(range(256))  # every byte ends a reply: each model turn is one token, and stops

@@ -260,6 +260,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 record.update({
                     "step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
                     "grad_norm": float(metrics["grad_norm"]),
+                    # no group with reward variance (and no KL): nothing to learn, the weights were kept
+                    "update_skipped": float(metrics["zero_gradient"]),
                     "clip_fraction": float(metrics["clipped_low"] + metrics["clipped_high"]) / tokens,
                     **{name: float(metrics[name]) / tokens for name in TOKEN_SUMS},
                     "rollout_tokens_per_s": generated / max(t1 - t0, 1e-9),

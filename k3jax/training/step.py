@@ -157,8 +157,9 @@ def make_train_step(graphdef, cfg: Config, *, state_shardings=None):
     ``[batch_size, seq_len]`` (plus ``image_*`` packed patches ``[batch_size, P, ...]`` for a vision
     model, ``k3jax.data.images``); split into ``train.grad_accum`` micro-batches. metrics: ``loss`` (mean
     nll per counted token), ``grad_norm`` (before clipping), ``tokens``, ``finite`` (False: the
-    update was skipped), ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the
-    order of :func:`expert_imbalance_layers`, measured with the bias this step routed with).
+    update was skipped), ``zero_gradient`` (True: an all-zero gradient, the state kept as it was),
+    ``expert_imbalance [L]`` (max/mean expert load of each MoE layer, in the order of
+    :func:`expert_imbalance_layers`, measured with the bias this step routed with).
 
     A LoRA run (``train.lora.rank > 0``) differentiates and updates only the adapters; the model's weights
     and its router biases stay as loaded (Quantile Balancing is off: the bias belongs to the base, and a
@@ -254,8 +255,13 @@ def make_step(graphdef, cfg: Config, objective, *, per_count: bool = True, sum_n
             ts_.skipped[...] += 1
             return nnx.state(ts_)
 
-        new_state = jax.lax.cond(finite, apply, skip, nnx.state(ts))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite,
+        # An all-zero gradient carries nothing to learn (an RL batch whose every group got one reward, a batch
+        # of padding): the update would still move the weights by momentum and weight decay. The state is
+        # kept as it is, the optimizer's count too; not a NaN-guard skip.
+        zero = finite & (grad_norm == 0)
+        new_state = jax.lax.switch(jnp.where(finite, jnp.where(zero, 1, 0), 2), (apply, lambda s: s, skip),
+                                   nnx.state(ts))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite, "zero_gradient": zero,
                    "expert_imbalance": expert_imbalance(stats.router), **sums}
         return new_state, metrics
 
