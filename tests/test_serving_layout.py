@@ -70,3 +70,8 @@ def test_engine_on_8_devices_equals_one_device(name):
 @pytest.mark.slow
 def test_decode_step_moves_activations_not_weights():
     run_child("serving_layout", "collectives")
+
+
+@pytest.mark.slow
+def test_checkpoints_load_straight_into_the_serving_layout():
+    run_child("serving_layout", "loading")

@@ -32,7 +32,7 @@ import math
 import warnings
 from typing import Any
 
-from k3jax.config import ModelConfig, from_dict, parse_overrides, without_runtime_fields
+from k3jax.config import ModelConfig, TrainConfig, from_dict, parse_overrides, without_runtime_fields
 from k3jax.config.loading import merge_nested
 from k3jax.interop.compressed_tensors import CompressedTensorsError, PackQuantized, parse_config
 from k3jax.interop.hf_names import DEEPSEEK_TYPES
@@ -394,7 +394,9 @@ def _build(model: dict, overrides) -> ModelConfig:
         extra = parse_overrides(list(overrides))
         extra = extra.get("model", extra)
         model = merge_nested(model, extra)
-    return from_dict({"name": "hf", "model": model}).model
+    # validated as a run config whose rows fit the context (a tiny model's may be under the default row)
+    seq_len = min(TrainConfig.seq_len, model.get("max_seq_len", TrainConfig.seq_len))
+    return from_dict({"name": "hf", "model": model, "train": {"seq_len": seq_len}}).model
 
 
 # Model fields an HF config does not carry (besides the runtime fields of k3jax.config): how the weights

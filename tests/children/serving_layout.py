@@ -1,8 +1,9 @@
 """The serving layout (``k3jax.sharding.SERVING_DECODE`` / ``SERVING_PREFILL``) on 8 devices: the engine's
 greedy tokens (prefill, decode, prefix-cache hits) equal the single-device engine's for K3-, K2- and
-Kimi-Linear-like tiny models and MXFP4 experts; and a compiled decode step in the serving layout moves
-activations only (its collective bytes within :func:`activation_bytes`), where training's layout gathers
-weights past that bound. Run by ``tests/test_serving_layout.py``; argv: ``engine NAME`` or ``collectives``."""
+Kimi-Linear-like tiny models and MXFP4 experts; checkpoints load straight into the layout; and a compiled
+decode step in the serving layout moves activations only (its collective bytes within :func:`activation_bytes`), where training's layout gathers
+weights past that bound. Run by ``tests/test_serving_layout.py``; argv: ``engine NAME``, ``loading`` or
+``collectives``."""
 
 import sys
 
@@ -52,6 +53,38 @@ def engine_check(name: str) -> None:
     print(name, got)
 
 
+def loading_check() -> None:
+    """A train.py checkpoint and a Hugging Face directory load straight into the serving layout (each leaf
+    placed by the serving rules as it is read: the engine then finds nothing to move), the routed experts
+    over the 8 devices, the head projections split by head, nothing stored as training's FSDP split."""
+    import tempfile
+
+    from flax import nnx
+
+    from k3jax.config import Config
+    from k3jax.interop import to_hf
+    from k3jax.serving.loading import load_model
+    from k3jax.sharding import SERVING_DECODE, place_state
+    from k3jax.training import checkpoint
+
+    cfg = load_config("tiny", WIDE)
+    model = create_model(cfg.model, seed=1)
+    mesh = make_mesh(parse_mesh("expert=8"))
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.save_model(f"{tmp}/ckpt", model, Config.of_model(cfg.model, "tiny"))
+        to_hf(model, f"{tmp}/hf", model_type="kimi_k3")
+        for path in (f"{tmp}/ckpt", f"{tmp}/hf"):
+            with SERVING_DECODE.active():
+                loaded, _ = load_model(path, mesh=mesh)
+                _, moved = place_state(nnx.state(loaded), mesh)
+            assert not moved, path
+            specs = {jax.tree_util.keystr(k): tuple(v.sharding.spec)
+                     for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(loaded))}
+            q_b = [s for k, s in specs.items() if "q_b" in k]  # [q_lora, heads, head_dim]: split by head
+            assert q_b and all(s[-2] == "expert" for s in q_b), q_b
+            print(path.rsplit("/", 1)[1], "loaded in the serving layout")
+
+
 def activation_bytes(cfg, batch: int) -> int:
     """What a decode step of ``batch`` tokens may move in the serving layout, per device: per layer, for each
     token, 8 residual-width vectors (the all-reduced outputs of row-parallel projections, the embedding),
@@ -82,5 +115,6 @@ def collectives_check() -> None:
 if __name__ == "__main__":
     jax.config.update("jax_disable_most_optimizations", True)
     assert jax.device_count() == 8
-    {"engine": lambda: engine_check(sys.argv[2]), "collectives": collectives_check}[sys.argv[1]]()
+    {"engine": lambda: engine_check(sys.argv[2]), "collectives": collectives_check,
+     "loading": loading_check}[sys.argv[1]]()
     print("OK")
