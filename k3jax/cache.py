@@ -55,6 +55,27 @@ class ModelCache(NamedTuple):
         return self.valid.shape[1]
 
 
+def read_slots(x: jax.Array, start, size: int, layer=None) -> jax.Array:
+    """Slots ``[start, start + size)`` of ``x [B, S, ...]``, or of layer ``layer`` of a scanned group's stacked
+    ``x [L, B, S, ...]`` (``start`` / ``layer`` traced or not) -> ``[B, size, ...]``: one dynamic slice of the
+    array as stored, so a loop over key blocks reads each block where it lies and nothing copies the cache."""
+    if layer is None:
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    rest = (0,) * (x.ndim - 3)
+    return jax.lax.dynamic_slice(x, (layer, 0, start, *rest), (1, x.shape[1], size, *x.shape[3:]))[0]
+
+
+def update_slots(x: jax.Array, new: jax.Array, start, layer=None) -> jax.Array:
+    """``x [B, S, ...]`` (or layer ``layer`` of ``x [L, B, S, ...]``) with ``new [B, T, ...]`` written at slots
+    ``[start, start + T)``: one dynamic update of the T slots, in place in a donated or scan-carried cache
+    (a decode step writes one slot per row of its layer, not the layer's whole slice)."""
+    new = new.astype(x.dtype)
+    if layer is None:
+        return jax.lax.dynamic_update_slice_in_dim(x, new, start, axis=1)
+    rest = (0,) * (x.ndim - 3)
+    return jax.lax.dynamic_update_slice(x, new[None], (layer, 0, start, *rest))
+
+
 def layer_cache(cfg: ModelConfig, mixer: str, batch: int, max_len: int, dtype) -> KDACache | MLACache:
     if mixer == "kda":
         c = cfg.kda

@@ -111,21 +111,29 @@ class DecoderLayer(nnx.Module):
             self.attn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
             self.ffn_res_mix = AttnResMix(cfg.hidden_size, cfg.attn_res.eps, param_dtype=pd)
 
-    def _mix(self, h, ctx: "_Context", cache, lora_key):
+    def _mix(self, h, ctx: "_Context", cache, cache_layer, lora_key):
         """-> (y ``[B, T, d]``, updated cache or None, max logit per head ``[H]`` or None)."""
         with jax.named_scope(self.kind[0]):  # "kda" / "mla": the part names of k3jax.aot.breakdown
-            y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache, lora_key)
+            y, cache, max_logits = self._mix_unscoped(constrain_activation(h, RESIDUAL_AXES), ctx, cache, cache_layer,
+                                                      lora_key)
             y = checkpoint_name(y, saved_names.MIXER_PROJECTED)  # kept by remat=outputs
             return constrain_activation(y, RESIDUAL_AXES), cache, max_logits
 
-    def _mix_unscoped(self, h, ctx: "_Context", cache, lora_key):
+    def _mix_unscoped(self, h, ctx: "_Context", cache, cache_layer, lora_key):
         if self.kind[0] == "kda":
+            # a KDA cache is small (a state and conv tails, no slots): its layer is read and written whole
+            stack = cache
+            if cache_layer is not None:
+                cache = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, cache_layer, 0, keepdims=False), stack)
             y, cache = self.mixer(self.attn_norm(h), segment_ids=ctx.segment_ids, cache=cache,
                                   token_valid=ctx.token_valid, lora_key=lora_key)
+            if cache_layer is not None:
+                cache = jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, cache_layer, 0), stack,
+                                     cache)
             return y, cache, None
         out = self.mixer(self.attn_norm(h), positions=ctx.positions, segment_ids=ctx.segment_ids, cache=cache,
-                         cache_index=ctx.cache_index, kv_valid=ctx.kv_valid, max_logits=ctx.max_logits,
-                         lora_key=lora_key)
+                         cache_index=ctx.cache_index, cache_layer=cache_layer, kv_valid=ctx.kv_valid,
+                         max_logits=ctx.max_logits, lora_key=lora_key)
         return out if ctx.max_logits else (*out, None)
 
     def _ffn(self, h, ctx: "_Context", layer_idx, lora_key):
@@ -150,15 +158,17 @@ class DecoderLayer(nnx.Module):
             out.append((self.ffn.shared, "shared"))
         return out
 
-    def __call__(self, carry, layer_idx, ctx: "_Context", cache=None):
+    def __call__(self, carry, layer_idx, ctx: "_Context", cache=None, cache_layer=None):
         """carry: the residual stream ``[B, T, d]``, or an AttnResState when AttnRes is on (the protocol:
-        ``ResidualStream``); layer_idx: this layer's index (an int, traced inside the scan). Returns
-        (carry, LayerStats, updated layer cache or None)."""
+        ``ResidualStream``); layer_idx: this layer's index (an int, traced inside the scan); cache: this
+        layer's cache, or (``cache_layer``, traced) a scanned group's stacked caches of its slot, whose
+        entry ``cache_layer`` on the leading axis is this layer's. Returns (carry, LayerStats, updated cache
+        or None: the stack, when given one)."""
         # adapters' dropout: one key per layer (and per weight, lora.site_key)
         lora_key = None if ctx.lora_key is None else jax.random.fold_in(ctx.lora_key, layer_idx)
         mixes = (self.attn_res_mix, self.ffn_res_mix) if self.residual.attn_res else (None, None)
         h, carry = self.residual.mixer_input(carry, layer_idx, mixes[0])
-        y, cache, max_logits = self._mix(h, ctx, cache, lora_key)
+        y, cache, max_logits = self._mix(h, ctx, cache, cache_layer, lora_key)
         h, carry = self.residual.ffn_input(carry, y, mixes[1])
         y, router, experts = self._ffn(h, ctx, layer_idx, lora_key)
         return self.residual.layer_output(carry, y), LayerStats(router, max_logits, experts), cache
@@ -171,19 +181,22 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, kind, rngs=rngs) for kind in kinds])
         self.remat, self.residual = cfg.remat, ResidualStream.of(cfg)
 
-    def __call__(self, carry, first_layer, ctx, caches=None):
+    def __call__(self, carry, first_layer, ctx, caches=None, group=None):
+        """caches: one stacked cache per layer of the group (``[num_groups, ...]`` leaves), of which this is
+        group ``group`` (traced); each layer reads and writes its entry in place. Returns (carry, (stats,
+        the updated stacked caches))."""
         stats, new_caches = [], []
         for j, layer in enumerate(self.layers):
             carry, st, c = call_layer(layer, self.remat, carry, first_layer + j, ctx,
-                                      None if caches is None else caches[j])
+                                      None if caches is None else caches[j], group)
             carry = self.residual.after_group_layer(carry, j, len(self.layers))
             stats.append(st)
             new_caches.append(c)
         return carry, (tuple(stats), tuple(new_caches))
 
 
-def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache):
-    """``layer(carry, layer_idx, ctx, cache)``, rematerialised per layer when ``remat`` is on.
+def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context", cache, cache_layer=None):
+    """``layer(carry, layer_idx, ctx, cache, cache_layer)``, rematerialised per layer when ``remat`` is on.
 
     With ``full`` the scan saves every layer's input (the residual stream; the AttnRes bank, which the
     layers of a group share, once per group) and the backward pass runs each layer's forward once
@@ -193,14 +206,15 @@ def call_layer(layer: DecoderLayer, remat: str, carry, layer_idx, ctx: "_Context
     less). The unrolled prefix / suffix layers are checkpointed per layer in every mode.
     """
     if remat == "none":
-        return layer(carry, layer_idx, ctx, cache)
+        return layer(carry, layer_idx, ctx, cache, cache_layer)
     graphdef, state = nnx.split(layer)
 
-    def run(state, carry, layer_idx, ctx, cache):
-        out, stats, cache = nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache)
+    def run(state, carry, layer_idx, ctx, cache, cache_layer):
+        out, stats, cache = nnx.merge(graphdef, state)(carry, layer_idx, ctx, cache, cache_layer)
         return layer.residual.without_bank(out, carry), stats, cache  # the AttnRes bank goes in, not out
 
-    out, stats, cache = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache)
+    out, stats, cache = jax.checkpoint(run, policy=_REMAT_POLICIES[remat])(state, carry, layer_idx, ctx, cache,
+                                                                           cache_layer)
     return layer.residual.with_bank(out, carry), stats, cache
 
 
@@ -320,16 +334,16 @@ class K3Model(nnx.Module):
 
             return jax.lax.scan(body, carry, (stacked, starts))
 
-        # The stacked caches ride in the scan's carry, read and written at group g in place. As scan
-        # xs -> ys, XLA gives the ys a second buffer of the whole stacked cache (22 GiB per device for
-        # K3's MLA caches at 1M tokens), where the carry aliases the donated input.
+        # The stacked caches ride in the scan's carry, aliasing the donated input (as scan xs -> ys, XLA
+        # gave the ys a second buffer of the whole stacked cache: 22 GiB per device for K3's MLA caches at
+        # 1M tokens). Group g's layers get the whole stacks and g: an MLA layer writes its new slots into
+        # the stack and reads its slots from it in place (reading its slice out and writing it back copied
+        # the layer's cache twice per step).
         @remat
         def body(c, xs):
             carry, caches, g = c
             state, first_layer = xs
-            group_caches = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, g, 0, keepdims=False), caches)
-            carry, (stats, new) = nnx.merge(graphdef, state)(carry, first_layer, ctx, group_caches)
-            caches = jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, g, 0), caches, new)
+            carry, (stats, caches) = nnx.merge(graphdef, state)(carry, first_layer, ctx, caches, g)
             return (carry, caches, g + 1), stats
 
         (carry, caches, _), stats = jax.lax.scan(body, (carry, caches, jnp.zeros((), jnp.int32)), (stacked, starts))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from k3jax.cache import MLACache
+from k3jax.cache import MLACache, update_slots
 from k3jax.config import ModelConfig
 from k3jax.layers import lora
 from k3jax.layers.initializers import normal
@@ -75,14 +75,17 @@ class MLA(nnx.Module):
         return lora.project(self, "o_proj", o.astype(dt), "bthv,hvd->btd", dt, key)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: MLACache | None = None, cache_index=None, kv_valid: jax.Array | None = None,
+                 cache: MLACache | None = None, cache_index=None, cache_layer=None, kv_valid: jax.Array | None = None,
                  max_logits: bool = False, lora_key: jax.Array | None = None) -> tuple[jax.Array, MLACache | None]:
         """x ``[B, T, d]``, positions ``[B, T]`` -> (``[B, T, d]``, updated cache or None).
 
         Without a cache: MLA over the T tokens with keys and values expanded from the latent one key
         block at a time (training, plain prefill; :meth:`latent_attention`). With a cache: the
         new tokens' latent and rope key are written at slots ``[cache_index, cache_index + T)`` and
-        the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form.
+        the queries attend over all valid slots (``kv_valid [B, S]``) in the absorbed form. The cache's
+        arrays are ``[B, S, ...]``, or a scanned group's stacked ``[L, B, S, ...]`` with ``cache_layer`` this
+        layer's index on their leading axis: the T new slots are written into the stack and the attention
+        reads the layer's slots from it, so no copy of the layer's cache is made or written back.
 
         ``max_logits=True`` (no cache; QK-clip) appends a third output: each head's largest
         pre-softmax logit over the batch ``[H]`` float32 (:func:`head_max_logits`). ``lora_key``: the
@@ -114,12 +117,12 @@ class MLA(nnx.Module):
         if max_logits:
             raise ValueError("max_logits is measured in the expanded (training) form, without a cache")
         # a slot-split cache is written by the devices that hold the slots (GSPMD would gather it whole)
-        write = (cache_parallel.write_slots if cache_parallel.slot_shards(b, cache.ckv.shape[1]) > 1
-                 else functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=1))
-        ckv_all = write(cache.ckv, ckv.astype(cache.ckv.dtype), cache_index)
-        k_rope_all = write(cache.k_rope, k_rope[:, :, 0].astype(cache.k_rope.dtype), cache_index)
-        o = self.absorbed_attention(q_nope, q_rope, ckv_all, k_rope_all, kv_b, cache_index, kv_valid)
-        return self._gate_and_project(x, o, lora_key), MLACache(ckv_all, k_rope_all)
+        write = (cache_parallel.write_slots if cache_parallel.slot_shards(b, cache.ckv.shape[-2]) > 1
+                 else update_slots)
+        cache = MLACache(write(cache.ckv, ckv, cache_index, cache_layer),
+                         write(cache.k_rope, k_rope[:, :, 0], cache_index, cache_layer))
+        o = self.absorbed_attention(q_nope, q_rope, cache, kv_b, cache_index, kv_valid, cache_layer)
+        return self._gate_and_project(x, o, lora_key), cache
 
     def latent_attention(self, q, kv_latent, q_index, kv_index, q_segment_ids, kv_segment_ids, kv_b):
         """Training attention: per-head keys and values expanded from the latent one key block at a time
@@ -134,30 +137,33 @@ class MLA(nnx.Module):
         return latent_attention(q, kv_latent, kv_b, q_index, kv_index, expand=expand, scale=self.softmax_scale,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
 
-    def absorbed_attention(self, q_nope, q_rope, ckv, k_rope, kv_b, cache_index, kv_valid):
+    def absorbed_attention(self, q_nope, q_rope, cache: MLACache, kv_b, cache_index, kv_valid, cache_layer=None):
         """MQA over the cached latent: ``W_UK`` folded into the query, ``W_UV`` applied after.
 
-        q_nope ``[B, T, H, nope]``, q_rope ``[B, T, H, R]``, ckv ``[B, S, r]``, k_rope ``[B, S, R]``,
-        kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``. A cache whose slots are split over devices runs
-        ``k3jax.parallel.cache_attention`` (split keys or split queries), not the GSPMD-partitioned loops.
+        q_nope ``[B, T, H, nope]``, q_rope ``[B, T, H, R]``, cache ``ckv [B, S, r]`` / ``k_rope [B, S, R]`` (or
+        layer ``cache_layer`` of ``[L, B, S, ...]``), kv_b ``[r, H, nope + v]`` -> ``[B, T, H, v]``. The scores
+        are ``q_lat . c_kv + q_rope . k_rope``, the two cache arrays read block by block where they lie
+        (concatenated, ``[c_kv | k_rope]`` would be a copy of the layer's cache per step). A cache whose
+        slots are split over devices runs ``k3jax.parallel.cache_attention`` (split keys or split queries),
+        not the GSPMD-partitioned loops.
         """
         c = self.cfg
         b, t = q_nope.shape[:2]
-        s = ckv.shape[1]
+        s = cache.ckv.shape[-2]
         w_uk, w_uv = kv_b[..., : c.qk_nope_head_dim], kv_b[..., c.qk_nope_head_dim:]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-        q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)  # [B, T, H, r + R]
-        kv = jnp.concatenate([ckv, k_rope.astype(ckv.dtype)], axis=-1)  # [B, S, r + R]
+        q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)  # [B, T, H, r + R]: small
+        kv = (cache.ckv, cache.k_rope)  # the keys' two parts; c_kv is also the values
         q_index = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
         if cache_parallel.slot_shards(b, s) > 1:
-            o_lat = cache_parallel.cache_attention(q, kv, q_index, kv_valid, value_dim=c.kv_lora_rank,
+            o_lat = cache_parallel.cache_attention(q, kv, q_index, kv_valid, kv_layer=cache_layer,
                                                    scale=self.softmax_scale)  # [B, T, H, r]
         else:
             kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             # the queries laid out as the cache's rows, once: left to GSPMD, the serving layout's head-split
             # queries were moved to the rows' devices inside the loop, once per key block
             q = constrain_activation(q, CACHE_QUERY_AXES)
-            o_lat = chunked_attention(q, kv[:, :, None], ckv[:, :, None], q_index, kv_index, kv_valid=kv_valid,
+            o_lat = chunked_attention(q, kv, cache.ckv, q_index, kv_index, kv_valid=kv_valid, kv_layer=cache_layer,
                                       scale=self.softmax_scale)  # [B, T, H, r]
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.cache import read_slots
 from k3jax.ops.saved_names import ATTENTION_RESIDUALS
 from pallas_kernels.varying import match_varying
 
@@ -26,14 +27,18 @@ def attention_mask(q_index: jax.Array, kv_index: jax.Array, q_segment_ids: jax.A
 
 def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_shaped=(), kv_shaped=()) -> None:
     """Trace-time shape checks of the attention entry points (a mismatch would otherwise surface as an
-    einsum or broadcast error deep inside XLA): q ``[B, T, H, D]``, k ``[B, S, H or 1, D]``, v
-    ``[B, S, H or 1, Dv]``; the arrays of ``q_shaped`` are ``[B, T]`` and those of ``kv_shaped``
-    ``[B, S]`` (None entries skipped)."""
-    chex.assert_rank([q, k, v], 4)
+    einsum or broadcast error deep inside XLA): q ``[B, T, H, D]``, k ``[B, S, H or 1, D]`` or ``[B, S, D]``
+    (or a tuple of such parts whose features add up to D), v ``[B, S, H or 1, Dv]`` or ``[B, S, Dv]``; the
+    arrays of ``q_shaped`` are ``[B, T]`` and those of ``kv_shaped`` ``[B, S]`` (None entries skipped)."""
+    chex.assert_rank(q, 4)
     b, t, h, d = q.shape
-    s = k.shape[1]
-    chex.assert_shape(k, (b, s, {1, h}, d))
-    chex.assert_shape(v, (b, s, {1, h}, None))
+    parts = k if isinstance(k, tuple) else (k,)
+    s = parts[0].shape[1]
+    for x, width in [(x, x.shape[-1]) for x in parts] + [(v, None)]:
+        chex.assert_rank(x, {3, 4})
+        chex.assert_shape(x, (b, s, width) if x.ndim == 3 else (b, s, {1, h}, width))
+    if sum(x.shape[-1] for x in parts) != d:
+        raise AssertionError(f"key shape: the features of {[x.shape for x in parts]} do not add up to q's {d}")
     for x in q_shaped:
         if x is not None:
             chex.assert_shape(x, (b, t))
@@ -50,6 +55,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     row with no visible key (cannot happen for causal self-attention) returns zeros.
     """
     _check_shapes(q, k, v)
+    chex.assert_rank([k, v], 4)
     chex.assert_shape(mask, (q.shape[0], q.shape[1], k.shape[1]))
     scores = jnp.einsum("bthd,bshd->bhts", q, jnp.broadcast_to(k, k.shape[:2] + q.shape[2:]),
                         preferred_element_type=jnp.float32) * scale
@@ -70,20 +76,34 @@ Q_CHUNK = 512
 KV_CHUNK = 1024
 
 
-def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """q ``[B, C, H, D]``, k ``[B, S, H, D]`` or ``[B, S, 1, D]`` -> float32 ``[B, H, C, S]``.
+def _qk(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q ``[B, C, H, D]``, k ``[B, S, H, D]``, ``[B, S, 1, D]`` or ``[B, S, D]`` -> float32 ``[B, H, C, S]``.
 
     A shared key (MQA, the absorbed MLA cache) is contracted as is: broadcasting it to H heads first
     would materialise ``[B, S, H, D]``, H times the cache."""
-    if k.shape[2] == 1:
-        return jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0], preferred_element_type=jnp.float32) * scale
-    return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    if k.ndim == 3 or k.shape[2] == 1:
+        return jnp.einsum("bthd,bsd->bhts", q, k if k.ndim == 3 else k[:, :, 0], preferred_element_type=jnp.float32)
+    return jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+
+
+def _scores(q: jax.Array, k, scale: float) -> jax.Array:
+    """q ``[B, C, H, D]``, k as in :func:`_qk`, or a tuple of such parts splitting the D features -> float32
+    ``scale * q.k`` ``[B, H, C, S]``. Parts (the absorbed MLA's ``c_kv`` and ``k_rope``, stored apart) are
+    contracted each with its features of q and summed: their concatenation would copy the cache."""
+    if not isinstance(k, tuple):
+        return _qk(q, k) * scale
+    scores, at = None, 0
+    for part in k:
+        width = part.shape[-1]
+        term = _qk(q[..., at:at + width], part)
+        scores, at = term if scores is None else scores + term, at + width
+    return scores * scale
 
 
 def _weighted_values(p: jax.Array, v: jax.Array) -> jax.Array:
-    """p ``[B, H, C, S]``, v ``[B, S, H, Dv]`` or ``[B, S, 1, Dv]`` -> float32 ``[B, C, H, Dv]``."""
-    if v.shape[2] == 1:
-        return jnp.einsum("bhts,bsd->bthd", p, v[:, :, 0], preferred_element_type=jnp.float32)
+    """p ``[B, H, C, S]``, v ``[B, S, H, Dv]``, ``[B, S, 1, Dv]`` or ``[B, S, Dv]`` -> float32 ``[B, C, H, Dv]``."""
+    if v.ndim == 3 or v.shape[2] == 1:
+        return jnp.einsum("bhts,bsd->bthd", p, v if v.ndim == 3 else v[:, :, 0], preferred_element_type=jnp.float32)
     return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=jnp.float32)
 
 
@@ -101,37 +121,43 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return jnp.moveaxis(x.reshape((x.shape[0], -1, block) + x.shape[2:]), 1, 0)
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, kv_index: jax.Array, *,
+def chunked_attention(q: jax.Array, k, v: jax.Array, q_index: jax.Array, kv_index: jax.Array, *,
                       scale: float, q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                      kv_valid: jax.Array | None = None, q_chunk: int = Q_CHUNK, kv_chunk: int = KV_CHUNK
-                      ) -> jax.Array:
+                      kv_valid: jax.Array | None = None, kv_layer=None, q_chunk: int = Q_CHUNK,
+                      kv_chunk: int = KV_CHUNK) -> jax.Array:
     """Masked softmax attention in bounded memory: ``attention(q, k, v, attention_mask(...))`` computed
     block by block, so neither the ``[B, H, T, S]`` scores nor the ``[B, T, S]`` mask exist whole.
 
-    q ``[B, T, H, D]``; k ``[B, S, H, D]`` or ``[B, S, 1, D]`` (shared by all heads, never broadcast);
-    v ``[B, S, H, Dv]`` or ``[B, S, 1, Dv]``; q_index ``[B, T]`` / kv_index ``[B, S]`` int positions
+    q ``[B, T, H, D]``; k ``[B, S, H, D]``, or ``[B, S, 1, D]`` / ``[B, S, D]`` (shared by all heads, never
+    broadcast), or a tuple of such parts that split the D features (scores summed over the parts: the
+    absorbed MLA's ``c_kv`` and ``k_rope`` as stored); v ``[B, S, H, Dv]``, ``[B, S, 1, Dv]`` or ``[B, S, Dv]``
+    (it may be a key part: read twice, never copied); q_index ``[B, T]`` / kv_index ``[B, S]`` int positions
     (key j visible to query i iff ``kv_index[j] <= q_index[i]``); optional segment ids ``[B, T]`` /
-    ``[B, S]`` and ``kv_valid [B, S]`` bool, as in :func:`attention_mask`. Returns ``[B, T, H, Dv]``
-    in ``v.dtype``; a query with no visible key gets zeros.
+    ``[B, S]`` and ``kv_valid [B, S]`` bool, as in :func:`attention_mask`. ``kv_layer`` (an int, traced or
+    not): k and v lead with a layer axis (``[L, B, S, ...]``, a scanned layer group's stacked cache) and
+    the attention reads layer ``kv_layer``'s slots. Returns ``[B, T, H, Dv]`` in ``v.dtype``; a query with
+    no visible key gets zeros.
 
     The queries are cut into blocks of ``q_chunk`` (``lax.map``; each block rematerialised in the
     backward pass, so the gradient holds one query block's intermediates at a time) and each block
-    runs an online softmax over key blocks of ``kv_chunk`` (``lax.scan``). A key block that no query
-    of the block can see (the causal future, unwritten cache slots) is skipped with ``lax.cond``,
-    which halves the work of a causal prefill. Peak memory: forward ``O(B·H·q_chunk·kv_chunk)``,
-    backward ``O(B·H·q_chunk·S)``. With ``T <= q_chunk`` and ``S <= kv_chunk`` this is one block, no
-    loop: short sequences and decode steps pay nothing. T and S need not be multiples of the chunks.
+    runs an online softmax over key blocks of ``kv_chunk`` (``lax.scan``), each read with a dynamic slice
+    of k and v as they are stored (a decode step reads its cache once and copies none of it). A key block
+    that no query of the block can see (the causal future, unwritten cache slots) is neither read nor
+    attended (``lax.cond``), which halves the work of a causal prefill. Peak memory: forward
+    ``O(B·H·q_chunk·kv_chunk)``, backward ``O(B·H·q_chunk·S)``. With ``T <= q_chunk`` and ``S <= kv_chunk``
+    this is one block, no loop: short sequences and decode steps pay nothing. T and S need not be
+    multiples of the chunks.
     """
     return chunked_attention_with_lse(q, k, v, q_index, kv_index, scale=scale, q_segment_ids=q_segment_ids,
-                                      kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, q_chunk=q_chunk,
-                                      kv_chunk=kv_chunk, out_dtype=v.dtype)[0]
+                                      kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, kv_layer=kv_layer,
+                                      q_chunk=q_chunk, kv_chunk=kv_chunk, out_dtype=v.dtype)[0]
 
 
-def chunked_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, kv_index: jax.Array, *,
+def chunked_attention_with_lse(q: jax.Array, k, v: jax.Array, q_index: jax.Array, kv_index: jax.Array, *,
                                scale: float, q_segment_ids: jax.Array | None = None,
                                kv_segment_ids: jax.Array | None = None, kv_valid: jax.Array | None = None,
-                               q_chunk: int = Q_CHUNK, kv_chunk: int = KV_CHUNK, out_dtype=jnp.float32
-                               ) -> tuple[jax.Array, jax.Array]:
+                               kv_layer=None, q_chunk: int = Q_CHUNK, kv_chunk: int = KV_CHUNK,
+                               out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """:func:`chunked_attention` (same arguments and blocks) that also returns each query's log-sum-exp
     of its visible scores: (o ``[B, T, H, Dv]`` in ``out_dtype``, lse ``[B, T, H]`` float32; a query
     with no visible key gets zeros and -inf).
@@ -139,28 +165,38 @@ def chunked_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_index
     Attention over disjoint key sets combines exactly from these (flash-decoding, split keys):
     ``lse = logsumexp_i lse_i`` and ``o = sum_i exp(lse_i - lse) o_i``, hence the float32 default.
     """
-    _check_shapes(q, k, v, (q_index, q_segment_ids), (kv_index, kv_segment_ids, kv_valid))
+    parts = k if isinstance(k, tuple) else (k,)
+    if kv_layer is None:
+        _check_shapes(q, k, v, (q_index, q_segment_ids), (kv_index, kv_segment_ids, kv_valid))
+    else:  # the shapes of one layer's slice
+        one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+        _check_shapes(q, tuple(map(one, parts)) if isinstance(k, tuple) else one(k), one(v),
+                      (q_index, q_segment_ids), (kv_index, kv_segment_ids, kv_valid))
     b, t, h, _ = q.shape
-    s, dv = k.shape[1], v.shape[-1]
+    s, dv = kv_index.shape[1], v.shape[-1]
     cq, ck = min(q_chunk, t), min(kv_chunk, s)
     nq, nk = -(-t // cq), -(-s // ck)
     if kv_valid is None:
         kv_valid = jnp.ones((b, s), bool)
-    # Padded keys are invalid; padded queries get the lowest index (they see nothing) and are dropped.
-    k_pad, v_pad = _pad_to(k, nk * ck, 1), _pad_to(v, nk * ck, 1)
-    kv_index_pad, kv_valid_pad = _pad_to(kv_index, nk * ck, 1), _pad_to(kv_valid, nk * ck, 1, False)
-    kv_seg_pad = None if kv_segment_ids is None else _pad_to(kv_segment_ids, nk * ck, 1)
-    kv_xs = (_blocks(k_pad, ck), _blocks(v_pad, ck), _blocks(kv_index_pad, ck), _blocks(kv_valid_pad, ck),
-             None if kv_seg_pad is None else _blocks(kv_seg_pad, ck))
 
-    def key_block(carry, kv, q_c, q_index_c, q_seg_c):
-        """One online-softmax step: carry (max ``[B, H, C]``, sum ``[B, H, C]``, acc ``[B, C, H, Dv]``)."""
-        k_c, v_c, kv_index_c, kv_valid_c, kv_seg_c = kv
+    def key_block(carry, i, q_c, q_index_c, q_seg_c):
+        """Online-softmax step over key block ``i``: carry (max ``[B, H, C]``, sum ``[B, H, C]``, acc
+        ``[B, C, H, Dv]``). The block holds slots ``[i * ck, (i + 1) * ck)``; when S is not a multiple of
+        ``ck`` the last block ends at slot S instead, its slots before ``i * ck`` (the previous block's)
+        masked: the keys are read where they lie, never padded."""
+        first = i * ck
+        start = jnp.minimum(first, s - ck) if s % ck else first
+        kv_index_c, kv_valid_c = read_slots(kv_index, start, ck), read_slots(kv_valid, start, ck)
+        if s % ck:
+            kv_valid_c &= (start + jnp.arange(ck) >= first)[None]
+        kv_seg_c = None if kv_segment_ids is None else read_slots(kv_segment_ids, start, ck)
         mask = attention_mask(q_index_c, kv_index_c, q_seg_c, kv_seg_c, kv_valid_c)  # [B, C, Ck]
 
         def update(carry):
             row_max, row_sum, acc = carry
-            scores = jnp.where(mask[:, None], _scores(q_c, k_c, scale), -jnp.inf)
+            k_c = tuple(read_slots(x, start, ck, kv_layer) for x in parts)
+            v_c = read_slots(v, start, ck, kv_layer)
+            scores = jnp.where(mask[:, None], _scores(q_c, k_c if isinstance(k, tuple) else k_c[0], scale), -jnp.inf)
             # The shift cancels in acc / row_sum, so it carries no gradient (as in `attention`).
             new_max = jnp.maximum(row_max, jax.lax.stop_gradient(jnp.max(scores, axis=-1)))
             shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # rows with nothing visible yet
@@ -178,11 +214,11 @@ def chunked_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_index
         carry = (jnp.full_like(q_c, -jnp.inf, jnp.float32, shape=(b, h, c)),
                  jnp.zeros_like(q_c, jnp.float32, shape=(b, h, c)),
                  jnp.zeros_like(q_c, jnp.float32, shape=(b, c, h, dv)))
-        step = lambda carry, kv: key_block(carry, kv, q_c, q_index_c, q_seg_c)  # noqa: E731
+        step = lambda carry, i: key_block(carry, i, q_c, q_index_c, q_seg_c)  # noqa: E731
         if nk == 1:
-            carry, _ = step(carry, jax.tree.map(lambda x: x[0], kv_xs))
+            carry, _ = step(carry, 0)
         else:
-            carry, _ = jax.lax.scan(step, carry, kv_xs)
+            carry, _ = jax.lax.scan(step, carry, jnp.arange(nk, dtype=jnp.int32))
         row_max, row_sum, acc = carry
         denom = jnp.maximum(row_sum, jnp.finfo(jnp.float32).tiny)
         lse = jnp.where(jnp.isfinite(row_max), row_max + jnp.log(denom), -jnp.inf)  # row_max: -inf if nothing seen
@@ -190,6 +226,7 @@ def chunked_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, q_index
 
     if nq == 1:
         return query_block(q, q_index, q_segment_ids)
+    # padded queries get the lowest index (they see nothing) and are dropped
     lowest = jnp.iinfo(q_index.dtype).min
     q_xs = (_blocks(_pad_to(q, nq * cq, 1), cq), _blocks(_pad_to(q_index, nq * cq, 1, lowest), cq),
             None if q_segment_ids is None else _blocks(_pad_to(q_segment_ids, nq * cq, 1), cq))

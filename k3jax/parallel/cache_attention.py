@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k3jax.cache import read_slots, update_slots
 from k3jax.ops.attention import KV_CHUNK, Q_CHUNK, chunked_attention, chunked_attention_with_lse
 from k3jax.sharding import axis_size, current_mesh, logical_to_spec, spec_axes
 
@@ -79,21 +80,23 @@ def choose_split(*, queries: int, slots: int, heads: int, key_dim: int, value_di
     return "queries" if gather <= combine else "keys"
 
 
-def cache_attention(q: jax.Array, kv: jax.Array, q_index: jax.Array, kv_valid: jax.Array | None, *,
-                    value_dim: int, scale: float, split: Split | None = None, q_chunk: int = Q_CHUNK,
+def cache_attention(q: jax.Array, kv: tuple[jax.Array, ...], q_index: jax.Array, kv_valid: jax.Array | None, *,
+                    scale: float, kv_layer=None, split: Split | None = None, q_chunk: int = Q_CHUNK,
                     kv_chunk: int = KV_CHUNK) -> jax.Array:
-    """Multi-query attention over a slot-split cache whose values are the keys' leading ``value_dim``
-    features (the absorbed MLA: keys ``c_kv | k_rope``, values ``c_kv``).
+    """Multi-query attention over a slot-split cache stored as key parts whose first part is also the
+    values (the absorbed MLA: keys ``c_kv | k_rope``, values ``c_kv``).
 
-    q ``[B, T, H, D]``; kv ``[B, S, D]`` (the cache, slot j at position j); q_index ``[B, T]`` the
-    queries' slots (key j visible to query i iff ``j <= q_index[i]`` and ``kv_valid[j]``); kv_valid
-    ``[B, S]`` bool or None (all valid). Returns ``[B, T, H, value_dim]`` in kv's dtype, what
-    ``chunked_attention(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, arange(S), kv_valid=...)``
+    q ``[B, T, H, D]``; kv: the parts ``[B, S, D_i]`` (slot j at position j), their features adding up to
+    D, or ``[L, B, S, D_i]`` and ``kv_layer`` (a scanned group's stacked cache: layer ``kv_layer`` is read
+    in place); q_index ``[B, T]`` the queries' slots (key j visible to query i iff ``j <= q_index[i]`` and
+    ``kv_valid[j]``); kv_valid ``[B, S]`` bool or None (all valid). Returns ``[B, T, H, Dv]`` (Dv: the first
+    part's width) in its dtype, what ``chunked_attention(q, kv, kv[0], q_index, arange(S), kv_valid=...)``
     returns. ``split``: the layout (None: :func:`choose_split`'s); ``q_chunk`` / ``kv_chunk``: the blocks
     of each device's ``chunked_attention``.
     """
     mesh = current_mesh()
-    (b, t, h, d), s = q.shape, kv.shape[1]
+    (b, t, h, d), s = q.shape, kv[0].shape[-2]
+    value_dim = kv[0].shape[-1]
     shards = slot_shards(b, s, mesh)
     if shards == 1:
         raise ValueError(f"cache_attention: the cache's {s} slots are not split under the current mesh")
@@ -101,72 +104,82 @@ def cache_attention(q: jax.Array, kv: jax.Array, q_index: jax.Array, kv_valid: j
     if split is None:
         local_heads = h // math.prod(axis_size(mesh, a) for a in spec_axes(h_entry))
         split = choose_split(queries=t, slots=s, heads=local_heads, key_dim=d, value_dim=value_dim, shards=shards,
-                             q_itemsize=q.dtype.itemsize, kv_itemsize=kv.dtype.itemsize)
+                             q_itemsize=q.dtype.itemsize, kv_itemsize=kv[0].dtype.itemsize)
     if split == "queries" and t % shards:
         raise ValueError(f"cache_attention: {t} queries do not split over {shards} slot shards")
     if kv_valid is None:
         kv_valid = jnp.ones((b, s), bool)
-    cache, valid = P(b_entry, axes, None), P(b_entry, axes)
+    layers = () if kv_layer is None else (None,)  # the stacked cache's layer axis is whole on every device
+    cache, valid = P(*layers, b_entry, axes, None), P(b_entry, axes)
     t_entry = axes if split == "queries" else None
     queries, index = P(b_entry, t_entry, h_entry, None), P(b_entry, t_entry)
     body = _split_queries if split == "queries" else _split_keys
-    body = functools.partial(body, axes=axes, value_dim=value_dim, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
-    return jax.shard_map(body, mesh=mesh, in_specs=(queries, cache, index, valid),
-                         out_specs=queries)(q, kv, q_index, kv_valid)
+    body = functools.partial(body, axes=axes, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    args, specs = (q, tuple(kv), q_index, kv_valid), (queries, (cache,) * len(kv), index, valid)
+    if kv_layer is not None:
+        args, specs = args + (jnp.asarray(kv_layer, jnp.int32),), specs + (P(),)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=queries)(*args)
 
 
-def _split_keys(q, kv, q_index, kv_valid, *, axes, value_dim, scale, q_chunk, kv_chunk):
-    """One slot shard: all queries ``[B, T, h, D]`` over its own slots ``[B, s, D]``; partials combined."""
-    b, s = kv.shape[:2]
+def _split_keys(q, kv, q_index, kv_valid, layer=None, *, axes, scale, q_chunk, kv_chunk):
+    """One slot shard: all queries ``[B, T, h, D]`` over its own slots (parts ``[B, s, D_i]``, or layer
+    ``layer`` of ``[L, B, s, D_i]``, read in place); partials combined."""
+    b, s = kv_valid.shape
     kv_index = jnp.broadcast_to(jax.lax.axis_index(axes) * s + jnp.arange(s, dtype=jnp.int32), (b, s))
     q = jax.lax.pcast(q, axes, to="varying")  # the shared queries meet this shard's own slots
-    o, lse = chunked_attention_with_lse(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, kv_index,
-                                        kv_valid=kv_valid, scale=scale, q_chunk=q_chunk,
-                                        kv_chunk=kv_chunk)  # [B, T, h, Dv] float32, [B, T, h]
+    o, lse = chunked_attention_with_lse(q, kv, kv[0], q_index, kv_index, kv_valid=kv_valid, kv_layer=layer,
+                                        scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)  # [B, T, h, Dv] float32
     top = jax.lax.pmax(lse, axes)
     weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for a shard that sees nothing
     total = jax.lax.psum(weight, axes)
     o = jax.lax.psum(o * weight[..., None], axes) / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
-    return o.astype(kv.dtype)
+    return o.astype(kv[0].dtype)
 
 
-def _split_queries(q, kv, q_index, kv_valid, *, axes, value_dim, scale, q_chunk, kv_chunk):
-    """One query shard: its queries ``[B, t, h, D]`` over the gathered cache ``[B, S, D]``."""
-    kv = jax.lax.all_gather(kv, axes, axis=1, tiled=True)
+def _split_queries(q, kv, q_index, kv_valid, layer=None, *, axes, scale, q_chunk, kv_chunk):
+    """One query shard: its queries ``[B, t, h, D]`` over the gathered cache (parts ``[B, S, D_i]``)."""
+    if layer is not None:  # the layer's own slots, gathered (this layout gathers the layer's cache anyway)
+        kv = tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in kv)
+    kv = tuple(jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in kv)
     kv_valid = jax.lax.all_gather(kv_valid, axes, axis=1, tiled=True)
-    b, s = kv.shape[:2]
+    b, s = kv_valid.shape
     kv_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    return chunked_attention(q, kv[:, :, None], kv[:, :, None, :value_dim], q_index, kv_index, kv_valid=kv_valid,
-                             scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    return chunked_attention(q, kv, kv[0], q_index, kv_index, kv_valid=kv_valid, scale=scale, q_chunk=q_chunk,
+                             kv_chunk=kv_chunk)
 
 
 # ------------------------------------------------------------------------------------------ writing
 
 
-def write_slots(cache: jax.Array, new: jax.Array, start) -> jax.Array:
-    """``lax.dynamic_update_slice_in_dim(cache, new, start, axis=1)`` for a slot-split cache: each device
-    writes the new entries that land in its own slots, in place. GSPMD writes a chunk of several slots
-    into a split axis by all-gathering the whole cache.
+def write_slots(cache: jax.Array, new: jax.Array, start, layer=None) -> jax.Array:
+    """:func:`k3jax.cache.update_slots` for a slot-split cache: each device writes the new entries that land
+    in its own slots, in place. GSPMD writes a chunk of several slots into a split axis by all-gathering
+    the whole cache.
 
-    cache ``[B, S, W]``, new ``[B, T, W]`` in the cache's dtype, start ``[]`` int (slots
-    ``[start, start + T)``, within the cache) -> ``[B, S, W]``.
+    cache ``[B, S, W]`` (or ``[L, B, S, W]``, written at layer ``layer``), new ``[B, T, W]``, start ``[]``
+    int (slots ``[start, start + T)``, within the cache) -> the cache's shape.
     """
     mesh = current_mesh()
-    b, s = cache.shape[:2]
+    b, s = cache.shape[-3:-1]
     b_entry, axes, _ = _specs(mesh, b, s, 1)
-    spec = P(b_entry, axes, None)
-    return jax.shard_map(functools.partial(_write_local, axes=axes), mesh=mesh, in_specs=(spec, P(b_entry), P()),
-                         out_specs=spec)(cache, new, jnp.asarray(start, jnp.int32))
+    layers = () if layer is None else (None,)
+    spec = P(*layers, b_entry, axes, None)
+    args, specs = (cache, new.astype(cache.dtype), jnp.asarray(start, jnp.int32)), (spec, P(b_entry), P())
+    if layer is not None:
+        args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
+    return jax.shard_map(functools.partial(_write_local, axes=axes), mesh=mesh, in_specs=specs,
+                         out_specs=spec)(*args)
 
 
-def _write_local(cache, new, start, *, axes):
-    """One slot shard ``[B, s, W]``: a window of ``min(T, s)`` slots holds every new entry that lands here."""
-    s, t = cache.shape[1], new.shape[1]
+def _write_local(cache, new, start, layer=None, *, axes):
+    """One slot shard (``[B, s, W]``, or layer ``layer`` of ``[L, B, s, W]``): a window of ``min(T, s)`` slots
+    holds every new entry that lands here."""
+    s, t = cache.shape[-2], new.shape[1]
     n = min(t, s)
     offset = jax.lax.axis_index(axes) * s
     at = jnp.clip(start - offset, 0, s - n)  # the window's first local slot
     rel = at + offset - start + jnp.arange(n)  # the new entry each window slot receives, if in [0, T)
-    window = jax.lax.dynamic_slice_in_dim(cache, at, n, axis=1)
+    window = read_slots(cache, at, n, layer)
     rows = jnp.take(new, jnp.clip(rel, 0, t - 1), axis=1)
     written = jnp.where(((rel >= 0) & (rel < t))[None, :, None], rows, window)
-    return jax.lax.dynamic_update_slice_in_dim(cache, written, at, axis=1)
+    return update_slots(cache, written, at, layer)

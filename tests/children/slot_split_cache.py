@@ -29,6 +29,7 @@ def main() -> None:
     # ---- the op: both layouts equal the single-device blockwise attention
     B, S, H, D, DV = 2, 256, 3, 12, 8
     kv = normal(B, S, D)
+    parts = lambda kv: (kv[..., :DV], kv[..., DV:])  # noqa: E731 - the stored key parts; the first is the values
     valid = np.arange(S)[None] < np.array([[150], [100]])
     valid[1, :20] = False
     valid = jnp.asarray(valid)
@@ -37,16 +38,18 @@ def main() -> None:
         q = normal(B, t, H, D)
         q_index = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (B, t))
         row_valid = valid.at[1].set(False) if t == 16 else valid  # a row that sees nothing
-        ref = chunked_attention(q, kv[:, :, None], kv[:, :, None, :DV], q_index, slots, kv_valid=row_valid,
-                                scale=0.3)
+        ref = chunked_attention(q, parts(kv), kv[..., :DV], q_index, slots, kv_valid=row_valid, scale=0.3)
+        stacked = tuple(jnp.stack([p[::-1], p]) for p in parts(kv))  # layer 1 of a 2-layer stack, read in place
         for mesh_text, shards in (("sequence=8", 8), ("data=2,expert=2,tensor=2", 4)):
             with jax.set_mesh(make_mesh(parse_mesh(mesh_text))):
                 assert ca.slot_shards(B, S) == shards
                 for split in ("keys", "queries") if t % shards == 0 else ("keys",):
-                    got = jax.jit(lambda *a: ca.cache_attention(*a, value_dim=DV, scale=0.3, split=split, q_chunk=8,
-                                                                kv_chunk=16))(q, kv, q_index, row_valid)
-                    err = rel(got, ref)
-                    assert err < 1e-6, (t, mesh_text, split, err)
+                    attend = lambda q, kv, qi, v, layer: ca.cache_attention(  # noqa: E731
+                        q, kv, qi, v, kv_layer=layer, scale=0.3, split=split, q_chunk=8, kv_chunk=16)
+                    for kv_parts, layer in ((parts(kv), None), (stacked, 1)):
+                        got = jax.jit(attend, static_argnums=4)(q, kv_parts, q_index, row_valid, layer)
+                        err = rel(got, ref)
+                        assert err < 1e-6, (t, mesh_text, split, layer, err)
     # ---- the write: new entries land where dynamic_update_slice puts them (32 slots a shard: at a shard
     # boundary, straddling two, spanning four, filling the cache)
     for t, start in ((1, 31), (1, 32), (20, 25), (100, 10), (S, 0)):
@@ -55,11 +58,13 @@ def main() -> None:
         for mesh_text in ("sequence=8", "data=2,expert=2,tensor=2"):
             with jax.set_mesh(make_mesh(parse_mesh(mesh_text))):
                 got = jax.jit(ca.write_slots)(kv, new, start)
+                got_stacked = jax.jit(ca.write_slots)(jnp.stack([kv, -kv]), new, start, 0)  # layer 0 of 2
             np.testing.assert_array_equal(got, want, err_msg=f"{t} {start} {mesh_text}")
+            np.testing.assert_array_equal(got_stacked, jnp.stack([want, -kv]), err_msg=f"{t} {start} {mesh_text}")
     with jax.set_mesh(make_mesh(parse_mesh("sequence=8"))):
         assert ca.slot_shards(B, 100) == 1  # 100 slots do not split 8 ways: the GSPMD path
         try:
-            ca.cache_attention(q[:, :4], kv, q_index[:, :4], valid, value_dim=DV, scale=0.3, split="queries")
+            ca.cache_attention(q[:, :4], parts(kv), q_index[:, :4], valid, scale=0.3, split="queries")
             raise AssertionError("4 queries split over 8 shards")
         except ValueError as e:
             assert "do not split over 8" in str(e), e
@@ -80,13 +85,13 @@ def main() -> None:
 
     def gspmd(q, kv, q_index, kv_valid):
         slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, S))
-        return chunked_attention(q, kv[:, :, None], kv[:, :, None, :DV], q_index, slots, kv_valid=kv_valid,
-                                 scale=0.3, kv_chunk=KV_CHUNK)
+        return chunked_attention(q, parts(kv), kv[..., :DV], q_index, slots, kv_valid=kv_valid, scale=0.3,
+                                 kv_chunk=KV_CHUNK)
 
     gathered = (S * D * 4 + S) * 7 / 8  # what one device receives of the gathered cache and its valid flags
     moved = {}
     for t, split in ((1, "keys"), (64, "keys"), (512, "queries")):
-        fn = lambda *a: ca.cache_attention(*a, value_dim=DV, scale=0.3, split=split, kv_chunk=KV_CHUNK)
+        fn = lambda q, kv, *a: ca.cache_attention(q, parts(kv), *a, scale=0.3, split=split, kv_chunk=KV_CHUNK)
         (flops, moved[t, split]), (gspmd_flops, moved[t, "gspmd"]) = per_device(fn, t), per_device(gspmd, t)
         # an eighth of the scores and weighted values; split keys moves the float32 partials' all-reduce
         # (output, lse, max: twice 7/8 of them), split queries the cache once
