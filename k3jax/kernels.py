@@ -86,4 +86,13 @@ def grouped_glu_experts(impl: str) -> Callable:
     return fn
 
 
-__all__ = ["chunk_kda", "grouped_glu_experts", "ragged_glu", "resolve_kda_impl", "resolve_moe_impl"]
+def packed_mxfp4(impl: str, platform: str) -> bool:
+    """Whether MXFP4 routed experts reach the expert matmuls packed (``pallas_kernels.mxfp4.MXFP4``), each
+    tile decoded in VMEM by the Pallas TPU kernel (``pallas_kernels/moe/gmm_mxfp4.py``; interpreted on a
+    CPU host), rather than dequantized whole before them: for the resolved ``impl`` ``pallas`` off GPU
+    (the Triton kernels take dense weights). Dequantized first, XLA:TPU streams every local expert through
+    HBM as int32 intermediates each step, ~32 bytes per parameter against the 4.25 bits it is stored in."""
+    return impl == "pallas" and platform_kind(platform) != "gpu"
+
+
+__all__ = ["chunk_kda", "grouped_glu_experts", "packed_mxfp4", "ragged_glu", "resolve_kda_impl", "resolve_moe_impl"]

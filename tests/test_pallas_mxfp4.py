@@ -137,3 +137,35 @@ def test_glu_with_mxfp4_weights_matches_the_dequantized_glu():
     assert out.shape == (N, k, L) and out.dtype == jnp.bfloat16
     assert rms_rel(out, out_ref) < 3 * 2.0**-8
     assert dx.dtype == jnp.bfloat16 and rms_rel(dx, dx_ref) < 3 * 2.0**-8
+
+
+def test_packed_model_decodes_its_experts_in_the_kernel():
+    """A tiny model with packed MXFP4 experts and ``moe_impl: pallas`` hands the bytes to the kernel (no
+    whole-weight dequantization in the program) and computes what the dequantizing path computes: logits,
+    and the gradients of the trained parameters through the frozen experts (the kernel's dx)."""
+    from flax import nnx
+
+    from k3jax.config import load_config
+    from k3jax.model import create_model
+
+    overrides = ["model.num_layers=2", "quant.experts=mxfp4"]  # KDA + dense FFN, MLA + latent MoE
+    tokens = jax.random.randint(jax.random.PRNGKey(13), (2, 16), 0, 256)
+
+    def run(impl):
+        model = create_model(load_config("tiny", overrides + [f"model.moe_impl={impl}"]).model, seed=0)
+
+        def loss(model):
+            return jnp.sum(jnp.sin(model(tokens)[0]))
+
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        fn = jax.jit(lambda p: jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p, rest)))(p))
+        return fn(params), str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p, rest)(tokens)[0])(params))
+
+    (got, grads), jaxpr = run("pallas")
+    (want, want_grads), ref_jaxpr = run("ragged_dot")
+    assert "gmm_mxfp4" in jaxpr and "gmm_mxfp4" not in ref_jaxpr
+    dense = "f32[8,32,32]"  # a layer's experts dequantized (E, L, F), tiny's widths
+    assert dense in ref_jaxpr and dense not in jaxpr
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    errs = jax.tree.map(max_rel, grads, want_grads)
+    assert max(jax.tree.leaves(errs)) < 1e-4, errs

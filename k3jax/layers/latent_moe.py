@@ -22,7 +22,7 @@ from k3jax.ops.saved_names import EXPERT_SUMS
 from k3jax.sharding import current_mesh, keep_split
 from k3jax.parallel import sequence as seq_parallel
 from k3jax.parallel.expert import expert_parallel_experts
-from k3jax.layers.quantized_experts import activation_quantizer, expert_param, expert_weight
+from k3jax.layers.quantized_experts import activation_quantizer, expert_operand, expert_param
 from pallas_kernels.platform import target_platform
 
 
@@ -119,17 +119,20 @@ class LatentMoE(nnx.Module):
     def _routed_experts(self, z: jax.Array, route) -> jax.Array:
         """Latent tokens z ``[N, L]`` -> the weighted routed-expert sum ``u [N, L]`` float32."""
         m = self.cfg
-        experts = tuple(expert_weight(w, self.dtype, self.quant) for w in (self.w_gate, self.w_up, self.w_down))
+        # the platform of the ambient mesh (a TPU mesh in an AOT compile on a CPU host), else the default
+        # backend: the rule the expert-parallel path follows too
+        platform = target_platform()
+        impl = kernels.resolve_moe_impl(self.impl, platform)
+        packed = kernels.packed_mxfp4(impl, platform)  # MXFP4 experts decoded in the kernel, not before it
+        experts = tuple(expert_operand(w, self.dtype, self.quant, packed_mxfp4=packed)
+                        for w in (self.w_gate, self.w_up, self.w_down))
         glu = dict(activation=self.activation, beta=self.beta, linear_beta=self.linear_beta)
         act_quant = activation_quantizer(self.quant)
         if act_quant is not None:
             glu["act_quant"] = act_quant
         if current_mesh() is None:
-            # the platform of the ambient mesh (a one-device TPU mesh in an AOT compile on a CPU host),
-            # else the default backend: the rule the expert-parallel path follows too
-            impl = kernels.resolve_moe_impl(self.impl, target_platform())
             pair_out = kernels.grouped_glu_experts(impl)(z, route.experts, *experts, **glu)
             return combine_experts(route.weights, pair_out)
         # under a mesh: experts sharded over `expert`, u summed across devices (before the norm)
         return expert_parallel_experts(z, route.experts, route.weights, *experts, dispatch=m.ep_dispatch,
-                                       capacity_factor=m.ep_capacity_factor, impl=self.impl, **glu)
+                                       capacity_factor=m.ep_capacity_factor, impl=impl, **glu)

@@ -7,6 +7,8 @@
 - :func:`expert_weight` gives the weight the expert matmuls use, in the compute dtype: a compressed
   weight dequantized on the fly; with ``experts: mxfp4_qat`` the dense master weight's MXFP4 values
   (fake quantization, blocks along ``in``) with a straight-through gradient; else the cast weight.
+  :func:`expert_operand` hands a packed MXFP4 weight over as its bytes instead, where the expert matmuls
+  decode it themselves (``k3jax.kernels.packed_mxfp4``).
 - :func:`activation_quantizer` gives the MXFP8 fake quantizer of the expert matmuls' inputs
   (``activations: mxfp8``; blocks along the last, contraction axis; straight-through), or None.
 """
@@ -29,6 +31,7 @@ from k3jax.quant.int4 import Int4Weight
 from k3jax.quant.packed import MXFP4Weight
 from k3jax.quant.storage import QuantizedWeight
 from k3jax.quant.ste import straight_through
+from pallas_kernels.mxfp4 import MXFP4
 
 # Routed-expert weights are (E, in, out): the MX blocks run along `in`, the contraction axis.
 _IN_AXIS = -2
@@ -79,6 +82,16 @@ def expert_weight(w: nnx.Variable | QuantizedWeight, dtype, quant: QuantConfig) 
     return weight_cast(x, dtype)
 
 
+def expert_operand(w: nnx.Variable | QuantizedWeight, dtype, quant: QuantConfig, *,
+                   packed_mxfp4: bool) -> jax.Array | MXFP4:
+    """What the expert matmuls take for a routed-expert weight ``(E, in, out)``: with ``packed_mxfp4`` an
+    MXFP4 weight's release-orientation bytes as they are (``MXFP4(packed [E, out, in/2], scale [E, out,
+    in/32])``, decoded tile by tile in the kernel, in the dtype of its input), else :func:`expert_weight`."""
+    if packed_mxfp4 and isinstance(w, MXFP4Weight):
+        return MXFP4(w.packed[...], w.scale[...])
+    return expert_weight(w, dtype, quant)
+
+
 def activation_quantizer(quant: QuantConfig) -> Callable[[jax.Array], jax.Array] | None:
     """MXFP8 fake quantization (with a straight-through gradient) of an expert matmul's input
     ``[..., in]``, or None when activations are not quantized."""
@@ -87,4 +100,4 @@ def activation_quantizer(quant: QuantConfig) -> Callable[[jax.Array], jax.Array]
     return _qat_activation(quant.activation_scale_rule)
 
 
-__all__ = ["activation_quantizer", "expert_param", "expert_weight"]
+__all__ = ["activation_quantizer", "expert_operand", "expert_param", "expert_weight"]

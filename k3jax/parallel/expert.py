@@ -56,6 +56,7 @@ from k3jax import kernels
 from k3jax.ops.moe import combine_experts, sum_weighted_pairs
 from k3jax.sharding import (axis_size, current_mesh, expert_mesh_axes, logical_to_spec, spec_axes, spec_entry,
                             token_mesh_axes)
+from pallas_kernels.mxfp4 import MXFP4
 from pallas_kernels.platform import ACCELERATORS, target_platform
 
 DISPATCH_MODES = ("ragged_all_to_all", "all_to_all", "all_gather")
@@ -109,34 +110,55 @@ def expert_parallel_experts(z: jax.Array, experts: jax.Array, weights: jax.Array
         token_axes = tuple(a for a in token_axes if a not in ep_axes)
     tokens = P(spec_entry(token_axes), None)
     axis = spec_entry(ep_axes)  # the exchange's collective axis name(s)
+    if w_down.shape[2] != w_gate.shape[1]:
+        raise ValueError(f"w_down {w_down.shape} does not map the experts' hidden width back to {w_gate.shape[1]}")
     # The weights enter split as they are stored over the FSDP axes of their `expert_in` dimension (L) and
     # are gathered inside (all_gather), so their gradients leave as reduce-scatters (its transpose).
     # Entering whole, the gradient of w_down [E, F, L] was summed by an all-reduce of the local experts'
     # whole matrix before each device kept its slice (XLA:TPU, L = 7168 over 64 devices).
-    gathered = spec_axes(logical_to_spec(("expert", "expert_in"), None, mesh, w_gate.shape[:2])[1])
-    # Only over axes the tokens split over: the output is then device-varying there anyway. Over the others
-    # (a decode batch too small to split) the gathered weights would make a replicated output varying.
-    gathered = tuple(a for a in gathered if a in token_axes)
-    if w_down.shape[2] != w_gate.shape[1]:
-        raise ValueError(f"w_down {w_down.shape} does not map the experts' hidden width back to {w_gate.shape[1]}")
-    gather_spec = spec_entry(gathered)
-    in_spec, out_spec = P(axis, gather_spec, None), P(axis, None, gather_spec)  # w_gate / w_up [E, L, F], w_down
+    layouts = tuple(_weight_layout(w, dim, mesh, axis, token_axes) for w, dim in zip((w_gate, w_up, w_down), (1, 1, 2)))
     impl = kernels.resolve_moe_impl(impl, target_platform(mesh))
     body = functools.partial(_shard_body, activation=activation, beta=beta, linear_beta=linear_beta, impl=impl,
                              dispatch=resolve_dispatch(dispatch, mesh), ep=ep, act_quant=act_quant,
-                             capacity_factor=capacity_factor, axis=axis, gathered=gathered,
+                             capacity_factor=capacity_factor, axis=axis, gathers=tuple(g for _, g in layouts),
                              tokens_split=bool(ep_axes) and set(ep_axes) <= set(token_axes))
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, in_spec, in_spec, out_spec),
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *(spec for spec, _ in layouts)),
                          out_specs=tokens)(z, experts, weights, w_gate, w_up, w_down)
 
 
+def _weight_layout(w, dim, mesh, axis, token_axes):
+    """How one expert weight enters the ``shard_map``: (PartitionSpecs, the tree of w's arrays; the
+    gathers, a tuple of ``(mesh axes, dimension)`` per array). w: a dense ``[E, L, F]`` / ``[E, F, L]`` (L
+    at ``dim``) or a ``pallas_kernels.mxfp4.MXFP4``, whose two arrays hold L at the other dimension (the
+    release orientation swaps the last two). Experts split over ``axis``; L as stored over its FSDP axes,
+    gathered inside, but only over axes the tokens split over: the output is then device-varying there
+    anyway; over the others (a decode batch too small to split) the gathered weights would make a
+    replicated output varying."""
+    dim = 3 - dim if isinstance(w, MXFP4) else dim
+
+    def gathered(a):
+        stored = spec_axes(logical_to_spec(("expert", "expert_in"), None, mesh, (a.shape[0], a.shape[dim]))[1])
+        return tuple(x for x in stored if x in token_axes)
+
+    def spec(a):
+        return P(axis, *(spec_entry(gathered(a)) if d == dim else None for d in (1, 2)))
+
+    return jax.tree.map(spec, w), tuple((gathered(a), dim) for a in jax.tree.leaves(w))
+
+
+def _gather_weight(w, gathers):
+    """The FSDP all-gather of one expert weight's arrays (``_weight_layout``); its transpose, the gradients'
+    reduce-scatter."""
+    leaves, tree = jax.tree.flatten(w)
+    return tree.unflatten([jax.lax.all_gather(a, spec_entry(axes), axis=dim, tiled=True) if axes else a
+                           for a, (axes, dim) in zip(leaves, gathers)])
+
+
 def _shard_body(z, experts, weights, w_gate, w_up, w_down, *, activation, beta, linear_beta, dispatch, ep,
-                tokens_split, capacity_factor, impl, axis, gathered=(), act_quant=None):
+                tokens_split, capacity_factor, impl, axis, gathers, act_quant=None):
     """One device: local tokens z ``[n, L]``, local experts ``[E_l, ...]`` (their ``L`` dimension split
-    over the ``gathered`` mesh axes) -> u ``[n, L]`` float32."""
-    if gathered:  # the FSDP gather; its transpose, the gradients' reduce-scatter
-        w_gate, w_up = (jax.lax.all_gather(w, spec_entry(gathered), axis=1, tiled=True) for w in (w_gate, w_up))
-        w_down = jax.lax.all_gather(w_down, spec_entry(gathered), axis=2, tiled=True)
+    as ``gathers`` says, ``_weight_layout``) -> u ``[n, L]`` float32."""
+    w_gate, w_up, w_down = (_gather_weight(w, g) for w, g in zip((w_gate, w_up, w_down), gathers))
     quant = {} if act_quant is None else {"act_quant": act_quant}
     n, k = experts.shape
     # The kernels' cost estimates count the pairs this device's experts get at a balanced load (each
@@ -344,10 +366,15 @@ def _dropless_rounds_bwd(glu, exchange, axis, rows, res, ct):
         r, acc = carry
         fn = _round_of(glu, exchange, axis, rows, pairs, send_starts, r)
         _, pull = jax.vjp(lambda *a: fn(*a, jnp.zeros_like(sent)), *inputs)
-        return r + 1, jax.tree.map(lambda x, y: (x + y).astype(x.dtype), acc, pull(ct))
+        return r + 1, jax.tree.map(_add_cotangents, acc, pull(ct))
 
     _, grads = jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.int32(1), grads))
     return (*grads, None, None)
+
+
+def _add_cotangents(x, y):
+    """Two rounds' cotangents of one input summed; an integer input's (float0: MXFP4 weights) is no value."""
+    return x if x.dtype == jax.dtypes.float0 else (x + y).astype(x.dtype)
 
 
 _dropless_rounds.defvjp(_dropless_rounds_fwd, _dropless_rounds_bwd)

@@ -1,11 +1,11 @@
 """Grouped matmul with MXFP4 weights, dequantized tile by tile in VMEM (TPU Mosaic; interpret mode on CPU).
 
 ``gmm_mxfp4(x [M, in], w, group_sizes) -> [M, out]``: ``gmm`` (``gmm.py``) with the weight of each expert
-held as MXFP4 in the release's orientation (``pallas_kernels.mxfp4.MXFP4``: packed E2M1 codes ``[E, out, in/2]`` and E8M0
-block scales ``[E, out, in/32]``, both uint8, blocks of 32 along ``in``). Dequantized before an XLA matmul,
-every expert's weight goes through HBM several times per step (XLA:TPU materialises its int32
-intermediates: ~32 bytes per parameter); here the kernel reads the 4.25 bits a parameter is stored in, only
-for the experts that have rows (``gmm``'s grid), and decodes each tile next to the MXU.
+held as MXFP4 in the release's orientation (``pallas_kernels.mxfp4.MXFP4``: packed E2M1 codes ``[E, out,
+in/2]`` and E8M0 block scales ``[E, out, in/32]``, both uint8, blocks of 32 along ``in``). Dequantized
+before an XLA matmul, every expert's weight goes through HBM several times per step (XLA:TPU materialises
+its int32 intermediates: ~32 bytes per parameter); here the kernel reads the 4.25 bits a parameter is
+stored in, only for the experts that have rows (``gmm``'s grid), and decodes each tile next to the MXU.
 
 The encoding and its plain decode: ``pallas_kernels.mxfp4``.
 
