@@ -7,6 +7,8 @@ mode on CPU), with its two backward products. The public functions dispatch on `
 - ``tgmm(x [M, D], dy [M, F], group_sizes) -> [E, D, F]``: ``x_e^T dy_e`` per group (the weight gradient);
   empty groups get zeros.
 - ``grouped_matmul`` = ``gmm`` with a ``jax.custom_vjp`` (dx by ``gmm(transpose_rhs)``, dW by ``tgmm``).
+- ``grouped_rows_call``: ``gmm``'s TPU grid for any weight operand, given a step's partial product;
+  ``gmm_mxfp4.py`` runs it over MXFP4 weights decoded tile by tile.
 
 TPU kernels: group sizes are run-time values: they are turned into per-grid-step tile metadata (which row tile and
 which group each step works on, as in megablox) and handed to the kernel by scalar prefetch
