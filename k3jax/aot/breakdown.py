@@ -603,6 +603,17 @@ def _traffic(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) 
     return total
 
 
+_ELEMENTWISE = ("bitcast", "copy", "convert", "transpose")
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(dims) for _, dims in _arrays(shape))
+
+
+def _shape_of(body: list[Instr], name: str) -> str:
+    return next((i.shape for i in body if i.name == name), "")
+
+
 def _fusion_params(body: list[Instr]) -> dict[int, str]:
     """A fused computation's parameters: {index: name}."""
     return {int(i.args): i.name for i in body if i.opcode == "parameter" and i.args.strip().isdigit()}
@@ -615,7 +626,10 @@ def _read_bytes(body: list[Instr], name: str, whole: float, comps: dict[str, lis
     for user in (u for u in body if name in u.operands):
         if user.opcode in _SLICES and user.operands[0] == name:
             total += shape_bytes(user.shape)
-        elif user.opcode == "bitcast":
+        elif user.opcode in _ELEMENTWISE or (user.opcode == "fusion" and _elements(user.shape) == _elements(
+                _shape_of(body, name)) and len(user.operands) == 1):
+            # an element-for-element op (a layout change, a cast, a nested elementwise fusion): a fusion computes
+            # only the elements its slices take
             total += _read_bytes(body, user.name, whole, comps)
         elif user.opcode == "fusion" and user.operands.count(name) == 1:
             callees = [c for c, _ in _callees(user)]
