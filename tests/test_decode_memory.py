@@ -29,17 +29,22 @@ K3_CACHE = ("model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.mla.kv_
 BATCH, SLOTS = 8, 32768
 
 
-@functools.cache
-def _decode(num_layers: int) -> aot.Result:
-    job = aot.Job("tiny", "decode", SLICE, MESH, batch=BATCH, seq_len=SLOTS,
-                  overrides=K3_CACHE + (f"model.num_layers={num_layers}",))
+def compile_decode(job: aot.Job) -> aot.Result:
+    """``job`` compiled for its v5p slice with the breakdown (skipped where libtpu gives no topology); it
+    must fit."""
     try:
-        devices = aot.TpuSlice.v5p(SLICE).devices()
+        devices = aot.TpuSlice.v5p(job.slice).devices()
     except Exception as e:  # libtpu present but unusable on this host
         pytest.skip(f"no TPU topology from libtpu: {e}")
     r = aot.compile_job(job, flops=False, breakdown=True, devices=devices)
     assert not r.error and r.fits, r.error
     return r
+
+
+@functools.cache
+def _decode(num_layers: int) -> aot.Result:
+    return compile_decode(aot.Job("tiny", "decode", SLICE, MESH, batch=BATCH, seq_len=SLOTS,
+                                  overrides=K3_CACHE + (f"model.num_layers={num_layers}",)))
 
 
 def test_decode_temporaries_do_not_grow_with_depth():

@@ -17,6 +17,7 @@ pytest.importorskip("libtpu")
 
 from k3jax import aot  # noqa: E402
 from k3jax.config import MeshConfig, load_config  # noqa: E402
+from test_decode_memory import compile_decode  # noqa: E402
 
 pytestmark = pytest.mark.tpu_aot
 
@@ -27,13 +28,7 @@ OVERRIDES = ("model.kda.num_heads=8", "model.mla.num_heads=8", "model.moe.num_ex
 
 
 def test_decode_reads_the_packed_experts():
-    job = aot.Job("tiny", "decode", SLICE, MESH, batch=8, seq_len=2048, overrides=OVERRIDES)
-    try:
-        devices = aot.TpuSlice.v5p(SLICE).devices()
-    except Exception as e:  # libtpu present but unusable on this host
-        pytest.skip(f"no TPU topology from libtpu: {e}")
-    r = aot.compile_job(job, flops=False, breakdown=True, devices=devices)
-    assert not r.error and r.fits, r.error
+    r = compile_decode(aot.Job("tiny", "decode", SLICE, MESH, batch=8, seq_len=2048, overrides=OVERRIDES))
     cfg = load_config("tiny", list(OVERRIDES)).model
     moe_layers = cfg.num_layers - cfg.first_dense_layers
     local_params = moe_layers * cfg.moe.num_experts // MESH.expert * 3 * cfg.moe.latent_dim * cfg.moe.expert_dim

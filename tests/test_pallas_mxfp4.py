@@ -17,6 +17,7 @@ from k3jax.quant.mxfp4 import dequantize_mxfp4
 from pallas_kernels.moe import MXFP4, gmm_mxfp4, grouped_glu_experts, mxfp4_grouped_matmul
 from pallas_kernels.moe.gmm_mxfp4 import gmm_mxfp4_reference
 from pallas_kernels.mxfp4 import dequantize
+from test_pallas_moe import max_rel, rms_rel
 
 pytestmark = pytest.mark.usefixtures("fast_xla")
 # empty groups first, in the middle, consecutive and last; a group inside one tile; groups straddling
@@ -24,16 +25,6 @@ pytestmark = pytest.mark.usefixtures("fast_xla")
 GROUPS = [0, 5, 0, 0, 30, 2, 0, 11, 0]
 M = sum(GROUPS) + 3
 TILING = (16, 256, 128)  # 16-row tiles; 128-lane nibble planes: 2 contraction steps at in = 512
-
-
-def max_rel(out, ref):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(out - ref)) / (np.max(np.abs(ref)) + 1e-30))
-
-
-def rms_rel(out, ref):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.sqrt(np.mean((out - ref) ** 2)) / (np.sqrt(np.mean(ref**2)) + 1e-30))
 
 
 def random_mxfp4(seed, e, n_out, n_in, scales=(118, 134)):
