@@ -8,6 +8,7 @@ import pytest
 
 from k3jax.aot import analytic
 from k3jax.aot import breakdown as bd
+from k3jax.aot import hlo_text
 
 M, K, N = 48, 40, 24
 
@@ -192,7 +193,7 @@ def test_kernel_text_with_line_breaks_and_closing_braces():
     """An instruction whose backend_config holds line breaks and a line starting with ``}`` (inside a
     string) is one instruction: its kernel's cost is read, the instructions after it and the later
     computations are all counted (reading it line by line ended the loop body at that ``}``)."""
-    comps, entry = bd.parse_hlo(_MULTILINE_KERNELS_HLO)
+    comps, entry = hlo_text.parse_hlo(_MULTILINE_KERNELS_HLO)
     assert entry == "main.40"
     assert [i.opcode for i in comps["region_body.10"]][4:] == ["custom-call", "dot", "custom-call", "dot", "constant",
                                                                  "add", "tuple"]
@@ -212,10 +213,10 @@ def test_kernel_text_with_line_breaks_and_closing_braces():
 
 def test_statements_join_only_open_strings_and_brackets():
     text = 'a = f(x, "s\n}\n"), m={k=1,\n j=2}\n}\nENTRY %main (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n}'
-    assert list(bd.statements(text)) == ['a = f(x, "s\n}\n"), m={k=1,\n j=2}', "}",
+    assert list(hlo_text.statements(text)) == ['a = f(x, "s\n}\n"), m={k=1,\n j=2}', "}",
                                          "ENTRY %main (p: f32[2]) -> f32[2] {", "  %p = f32[2]{0} parameter(0)", "}"]
     # an escaped quote does not end the string
-    assert list(bd.statements('x = "a\\"}\nb"\ny')) == ['x = "a\\"}\nb"', "y"]
+    assert list(hlo_text.statements('x = "a\\"}\nb"\ny')) == ['x = "a\\"}\nb"', "y"]
 
 
 # The optimizer's branch as XLA:TPU leaves it: the conditional is named only by its operands (the
@@ -281,7 +282,7 @@ def test_collectives_without_op_name_go_by_what_they_carry_or_unattributed():
     assert b.collective_by_part == {"newton_schulz": pytest.approx(2 * summed), "kda": pytest.approx(summed),
                                     "other": pytest.approx(summed)}
     entry = "main.30"
-    _, names, guessed = bd.multipliers(*bd.parse_hlo(_UNNAMED_COLLECTIVES_HLO))
+    _, names, guessed = bd.multipliers(*hlo_text.parse_hlo(_UNNAMED_COLLECTIVES_HLO))
     assert names[("branch.10", "dynamic-update-slice.21")].endswith("newton_schulz/mul")
     assert names[(entry, "dynamic-update-slice.41")].endswith("kda/convert_element_type")
     assert ("branch.10", "all-reduce.23") in guessed and ("branch.10", "all-reduce.22") not in guessed

@@ -5,9 +5,8 @@
     python -m k3jax.aot --config k3 --mode train ... --breakdown        # table + JSON per compiled job
 
 XLA's ``cost_analysis`` gives one number, counts every loop body once and a kernel (custom call) as
-zero. This module parses the optimized HLO text of a compiled program (``compiled.as_text()``; an
-instruction is read whole even where a string in it, e.g. a Pallas kernel's metadata, spans lines:
-``statements``) and counts each instruction itself:
+zero. This module reads the optimized HLO text of a compiled program (``compiled.as_text()``, parsed by
+``k3jax.aot.hlo_text``) and counts each instruction itself:
 
 - **Matmul FLOPs**: ``dot`` = ``2 * |output| * |contracted dims|``; ``convolution`` (TPU writes
   dots as convolutions: a batch dimension as a window whose ``lhs_dilate`` equals its size, an output
@@ -43,6 +42,9 @@ import dataclasses
 import math
 import re
 
+from k3jax.aot.hlo_text import (Instr, array_types, called_computations, data_dependent, dims, parse_hlo,
+                              shape_bytes)
+
 # The named scopes of the model and the train step (k3jax/model.py, layers/, optim/newton_schulz.py, training/step.py).
 PARTS = ("embedding", "kda", "mla", "attn_res", "router", "routed_experts", "shared_experts", "latent_proj",
          "dense_ffn", "lm_head_loss", "newton_schulz", "optimizer", "quantile_balancing", "vision")
@@ -51,157 +53,9 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragg
                "collective-permute")
 OPTIMIZER_PARTS = ("newton_schulz", "optimizer", "quantile_balancing")
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f4e2m1fn": 0.5,
-                "f8e8m0fnu": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
-                "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) \(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = (.*)$", re.DOTALL)  # a statement may span lines
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a string literal: backslash escapes, line breaks
-_CALLS = re.compile(r"\b(calls|body|to_apply|branch_computations|true_computation|false_computation)="
-                    r"(\{[^}]*\}|%[^\s,)]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TRIP = re.compile(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)')
 _COST_FLOPS = re.compile(r'cost_estimate[\\"]*:\s*\{[\\"]*flops[\\"]*:\s*[\\"]*(\d+)')
 _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "copy-start", "copy-done", "opt-barrier"}
-
-
-@dataclasses.dataclass
-class Instr:
-    name: str
-    opcode: str
-    shape: str  # the result type text, e.g. "bf16[4,128]{1,0}" or a tuple
-    operands: list[str]
-    args: str  # the text between the opcode's parentheses (a constant's literal)
-    attrs: str  # everything after the operand list
-    op_name: str
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """``'f32[2]{0} add(%a, %b), ...'`` -> (type text, the rest from the opcode on)."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                return rest[:i + 1], rest[i + 1:].lstrip()
-    i = rest.index(" ")
-    return rest[:i], rest[i + 1:]
-
-
-def _matching(text: str, start: int) -> int:
-    """Index just past the parenthesis closing the one at ``start``."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += text[i] == "("
-        depth -= text[i] == ")"
-        if depth == 0:
-            return i + 1
-    return len(text)
-
-
-def statements(text: str):
-    """The HLO text's statements (module line, computation header, instruction, a computation's closing
-    ``}``), one per line unless a string literal or a bracket stays open at the line break: an
-    instruction whose backend_config or metadata holds line breaks (a Pallas kernel's, e.g. the
-    pretty-printed JSON of MaxText's splash attention) is one statement, and a ``}`` starting one of its
-    lines does not end the computation. A computation header ends in the ``{`` that opens its body."""
-    pending: list[str] = []
-    for line in text.splitlines():
-        pending.append(line)
-        joined = "\n".join(pending)
-        bare = _STRING.sub("_", joined) if '"' in joined else joined
-        if '"' in bare:  # a string literal continues on the next line
-            continue
-        depth = sum(map(bare.count, "({[")) - sum(map(bare.count, ")}]"))
-        if depth <= 0 or (depth == 1 and _HEADER.match(joined)):
-            yield joined
-            pending = []
-    if pending:  # unterminated: the text was cut off
-        yield "\n".join(pending)
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """Optimized HLO text -> ({computation: instructions}, entry computation name)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
-    for line in statements(text):
-        if current is None:
-            m = _HEADER.match(line)
-            if m:
-                current = m.group(2).lstrip("%")
-                comps[current] = []
-                entry = current if m.group(1) else entry
-            continue
-        if line.lstrip().startswith("}"):
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        shape, rest = _split_type(m.group(2))
-        paren = rest.find("(")
-        if paren < 0:
-            continue
-        opcode = rest[:paren].strip()
-        end = _matching(rest, paren)
-        operands = re.findall(r"%([^\s,)]+)", rest[paren:end])
-        attrs = rest[end:]
-        op = _OP_NAME.search(attrs)
-        comps[current].append(Instr(m.group(1), opcode, shape, operands, rest[paren + 1:end - 1], attrs,
-                                    op.group(1) if op else ""))
-    return comps, entry
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(shape)
-            if dt in _DTYPE_BYTES]
-
-
-def shape_bytes(shape: str) -> float:
-    return sum(_DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in _arrays(shape))
-
-
-def _dims(shape: str) -> tuple[int, ...]:
-    arrays = _arrays(shape)
-    return arrays[0][1] if arrays else ()
-
-
-def _trip_count(ins: Instr, comps: dict[str, list[Instr]], unknown: int = 1) -> int:
-    """Iterations of a while loop: XLA's ``known_trip_count`` (CPU / GPU), else read off its condition
-    (TPU drops the annotation): ``i < N`` with ``i`` counting up from 0, the scan / fori_loop form; else
-    (a data-dependent loop, e.g. the dropless exchange's overflow rounds) ``unknown``."""
-    trip = _TRIP.search(ins.attrs)
-    if trip:
-        return int(trip.group(1))
-    cond = re.search(r"condition=%([^\s,]+)", ins.attrs)
-    body = comps.get(cond.group(1), []) if cond else []
-    consts = {i.name: i for i in body if i.opcode == "constant"}
-    for i in body:
-        if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2 and i.operands[1] in consts:
-            literal = re.fullmatch(r"\s*(-?\d+)\s*", consts[i.operands[1]].args)
-            if literal:
-                return max(int(literal.group(1)), 0)
-    return unknown
-
-
-def data_dependent(ins: Instr, comps: dict[str, list[Instr]]) -> bool:
-    """A while loop whose trip count is not in the HLO (it depends on the data)."""
-    return ins.opcode == "while" and _trip_count(ins, comps, unknown=-1) == -1
-
-
-def _callees(ins: Instr, comps: dict[str, list[Instr]] | None = None, unknown: int = 1) -> list[tuple[str, int]]:
-    """(computation, times it runs per run of ``ins``) for the computations ``ins`` calls."""
-    out = []
-    for key, val in _CALLS.findall(ins.attrs):
-        names = re.findall(r"%?([^\s,{}]+)", val)
-        if key == "to_apply" and ins.opcode != "call":
-            continue  # reductions' scalar combiners
-        times = _trip_count(ins, comps or {}, unknown) if key == "body" else 1
-        out += [(n, times) for n in names]
-    return out
 
 
 def _instr_flops(ins: Instr, shapes: dict[str, str]) -> float:
@@ -228,7 +82,7 @@ def _untaken_branches(comps: dict[str, list[Instr]], unknown: int = 1) -> set[tu
             flops = 0.0
             for ins in instrs:
                 flops += _instr_flops(ins, shapes)
-                callees = _callees(ins, comps, unknown)
+                callees = called_computations(ins, comps, unknown)
                 if ins.opcode == "conditional":
                     flops += max((total(c) for c, _ in callees), default=0.0)
                 else:
@@ -240,7 +94,7 @@ def _untaken_branches(comps: dict[str, list[Instr]], unknown: int = 1) -> set[tu
     for instrs in comps.values():
         for ins in instrs:
             if ins.opcode == "conditional":
-                branches = [c for c, _ in _callees(ins, comps)]
+                branches = [c for c, _ in called_computations(ins, comps)]
                 costliest = max(branches, key=total, default=None)
                 skipped |= {(ins.name, c) for c in branches if c != costliest}
     return skipped
@@ -265,7 +119,7 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
     untaken = _untaken_branches(comps, unknown)
     for comp, instrs in comps.items():
         for ins in instrs:
-            for callee, times in _callees(ins, comps, unknown):
+            for callee, times in called_computations(ins, comps, unknown):
                 if callee in comps:
                     edges[comp].append((callee, 0 if (ins.name, callee) in untaken else times, ins))
                     indegree[callee] += 1
@@ -308,7 +162,7 @@ def multipliers(comps: dict[str, list[Instr]], entry: str,
 
 
 def _is_scalar(shape: str) -> bool:
-    arrays = _arrays(shape)
+    arrays = array_types(shape)
     return len(arrays) == 1 and not arrays[0][1] and not shape.startswith("(")
 
 
@@ -372,8 +226,8 @@ def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
     if not labels or len(ins.operands) < 2:
         return 0.0
     (lhs_labels, rhs_labels), out_labels = labels.group(1).split("->")[0].split("_"), labels.group(1).split("->")[1]
-    lhs, rhs, out = (_dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], "")),
-                     _dims(ins.shape))
+    lhs, rhs, out = (dims(shapes.get(ins.operands[0], "")), dims(shapes.get(ins.operands[1], "")),
+                     dims(ins.shape))
     if not rhs or not lhs or not out:
         return 0.0
     in_features = rhs[rhs_labels.index("i")]
@@ -398,10 +252,10 @@ def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
 
 
 def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    lhs = _dims(shapes.get(ins.operands[0], ""))
+    lhs = dims(shapes.get(ins.operands[0], ""))
     contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
     k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
-    return 2.0 * math.prod(_dims(ins.shape)) * k
+    return 2.0 * math.prod(dims(ins.shape)) * k
 
 
 def _custom_call_flops(ins: Instr, shapes: dict[str, str]) -> float:
@@ -410,8 +264,8 @@ def _custom_call_flops(ins: Instr, shapes: dict[str, str]) -> float:
         return float(cost.group(1))
     target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
     if target and "ragged" in target.group(1).lower() and "dot" in target.group(1).lower():
-        lhs = _dims(shapes.get(ins.operands[0], ""))
-        out = _dims(ins.shape)
+        lhs = dims(shapes.get(ins.operands[0], ""))
+        out = dims(ins.shape)
         return 2.0 * math.prod(out) * (lhs[-1] if lhs else 1)
     return 0.0
 
@@ -438,7 +292,7 @@ def _collective(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]
     if ins.opcode == "fusion":
         # XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice each device
         # keeps (``calls=%all-reduce-scatter...``); the pair runs as one reduce-scatter.
-        inner = [i for callee, _ in _callees(ins) if callee.startswith("all-reduce-scatter")
+        inner = [i for callee, _ in called_computations(ins) if callee.startswith("all-reduce-scatter")
                  for i in comps.get(callee, ()) if i.opcode in ("all-reduce", "all-reduce-start")]
         if not inner:
             return None
@@ -482,7 +336,7 @@ def _collective_parts(ins: Instr, coll: tuple[str, float], comp: str, names: dic
 def _sent_dtypes(ins: Instr, shapes: dict[str, str]) -> str:
     """The element types a collective sends: its operands' (an async start's result tuple also holds
     its output and scalar context), e.g. ``bf16`` or ``f32,u32``."""
-    return ",".join(sorted({dt for o in ins.operands for dt, _ in _arrays(shapes.get(o, ""))})) or "none"
+    return ",".join(sorted({dt for o in ins.operands for dt, _ in array_types(shapes.get(o, ""))})) or "none"
 
 
 @dataclasses.dataclass
@@ -535,7 +389,7 @@ def breakdown(hlo_text: str, data_dependent_trips: int = 1) -> Breakdown:
     comps, entry = parse_hlo(hlo_text)
     mult, names, guessed = multipliers(comps, entry, data_dependent_trips)
     fused = {callee for instrs in comps.values() for ins in instrs if ins.opcode == "fusion"
-             for callee, _ in _callees(ins)}
+             for callee, _ in called_computations(ins)}
     out = Breakdown()
     for comp, instrs in comps.items():
         times = mult.get(comp, 0.0)
@@ -579,7 +433,7 @@ def _traffic(ins: Instr, shapes: dict[str, str], comps: dict[str, list[Instr]]) 
         return 2 * shape_bytes(ins.shape)
     if ins.opcode == "dynamic-update-slice":
         return 2 * shape_bytes(shapes.get(ins.operands[1], ""))
-    callees = [c for c, _ in _callees(ins)] if ins.opcode == "fusion" else []
+    callees = [c for c, _ in called_computations(ins)] if ins.opcode == "fusion" else []
     body = comps.get(callees[0]) if callees else None
     if not body:
         return shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
@@ -607,7 +461,7 @@ _ELEMENTWISE = ("bitcast", "copy", "convert", "transpose")
 
 
 def _elements(shape: str) -> int:
-    return sum(math.prod(dims) for _, dims in _arrays(shape))
+    return sum(math.prod(dims) for _, dims in array_types(shape))
 
 
 def _shape_of(body: list[Instr], name: str) -> str:
@@ -632,7 +486,7 @@ def _read_bytes(body: list[Instr], name: str, whole: float, comps: dict[str, lis
             # only the elements its slices take
             total += _read_bytes(body, user.name, whole, comps)
         elif user.opcode == "fusion" and user.operands.count(name) == 1:
-            callees = [c for c, _ in _callees(user)]
+            callees = [c for c, _ in called_computations(user)]
             inner = comps.get(callees[0], []) if callees else []
             param = _fusion_params(inner).get(user.operands.index(name))
             total += whole if param is None else _read_bytes(inner, param, whole, comps)
