@@ -23,6 +23,7 @@ SMALL_RL = ["model.num_layers=2", "model.attn_res.block_size=1", "train.seq_len=
             "train.rl.loss=grpo", f"train.rl.group_size={G}", f"train.rl.prompts_per_step={P}",
             f"train.rl.max_new_tokens={NEW}", "train.rl.updates_per_rollout=2"]
 PROMPTS = ["In the beginning", "And God said, Let"]
+BLOCK = 16  # the engine's prefill chunk and prefix-cache block
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def rollout():
     graphdef, state = nnx.split(init_train_state(cfg))
     model = nnx.merge(graphdef, state).model
     engine = Engine(model, max_batch=G * P, max_len=cfg.train.seq_len + 1, prefill_batch=G * P, prefill_chunk=16,
-                    unroll_layers=False, record_routes=True)
+                    unroll_layers=False, record_routes=True, prefix_cache_tokens=G * P * 64, prefix_cache_block=BLOCK)
     tok = load_tokenizer("byte")
     completions = sample(engine, [tok.encode(p) for p in PROMPTS], G, max_new_tokens=NEW, temperature=1.0, top_p=1.0,
                          stop_ids=(), seeds=[rollout_seed(0, 0, i) for i in range(G * P)])
@@ -144,6 +145,35 @@ def test_a_rollout_without_reward_variance_leaves_the_weights(rollout):
     new_state, metrics = step(jax.tree.map(lambda x: x.copy(), state), flat)
     assert bool(metrics["finite"]) and bool(metrics["zero_gradient"]) and float(metrics["grad_norm"]) == 0
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state)))
+
+
+def test_a_next_turn_resumes_from_the_cached_history_with_its_routes(rollout):
+    """A recording engine's prefix cache keeps each block's routes: a turn whose prompt is the last turn's prompt,
+    its reply and more prefills only what follows the last cached block (prompt and generated blocks), has every
+    token's routes (the cached ones as they first ran), and samples what a full prefill samples."""
+    _, graphdef, state, engine, *_ = rollout
+    engine.set_weights(nnx.state(nnx.merge(graphdef, state).model))  # a new policy: the cache starts empty
+    assert engine.prefix_cache.tokens == 0
+    tok = load_tokenizer("byte")
+    settings = dict(temperature=1.0, top_p=1.0, stop_ids=())
+    (first,) = sample(engine, [tok.encode("In the beginning God created")], 1, max_new_tokens=12, seeds=[1],
+                      **settings)
+    history = first.prompt + first.tokens  # 28 + 12 tokens: cached blocks end at 16 (prompt) and 32 (reply)
+    prompt = history + tok.encode(" and")
+    metrics = engine.metrics
+    prefilled, hit = metrics.prefill_tokens, metrics.prefix_hit_tokens
+    (second,) = sample(engine, [prompt], 1, max_new_tokens=8, seeds=[2], **settings)
+    assert metrics.prefix_hit_tokens - hit == 2 * BLOCK and metrics.prefill_tokens - prefilled == len(prompt) - 2 * BLOCK
+    assert second.routes.shape[0] == len(prompt) + 8
+    np.testing.assert_array_equal(second.routes[:2 * BLOCK], first.routes[:2 * BLOCK])
+    cache, engine.prefix_cache = engine.prefix_cache, None
+    try:
+        (full,) = sample(engine, [prompt], 1, max_new_tokens=8, seeds=[2], **settings)
+    finally:
+        engine.prefix_cache = cache
+    assert second.tokens == full.tokens
+    np.testing.assert_array_equal(second.routes, full.routes)
+    np.testing.assert_allclose(second.logprobs, full.logprobs, atol=2e-5, rtol=0)
 
 
 STOP_AT_ONCE = tuple(range(256))  # every byte ends a reply: each model turn is one token, and stops

@@ -10,8 +10,10 @@ the model answers without calling a tool) or has nothing to say, its turns (``rl
 
 The row holds the whole conversation; only the model's tokens train (``Completion.trained``). Each token
 keeps the experts of the step that first ran it: a model token's from the decode step that fed it, a tool
-turn's from the prefill of the turn after it. The next turn prefills the history again (the engine records
-routes, so it skips the prefix cache, whose blocks do not keep them).
+turn's from the prefill of the turn after it. The next turn does not prefill the history again: the engine's
+prefix cache (on for multi-turn runs) holds every whole block of it, prompt and replies, with their
+routes, so a turn prefills only the tokens after the last whole block (fewer than a block of the history,
+and the tool turn). Those few history tokens run again; their routes in the row stay the first run's.
 """
 
 from __future__ import annotations

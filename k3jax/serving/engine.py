@@ -99,8 +99,9 @@ class Engine:
     (default: one chunk). ``prefill_chunk`` is at most ``max_len``. ``scheduler``: where each iteration's
     input comes from (default ``schedule.make_scheduler()``: local in one process, process 0's broadcast
     in several). ``record_routes``: every request records its tokens' experts and sampled log-probabilities
-    (``Sequence.prompt_routes``, ``routes``, ``sampled_logprobs``: the rollouts of ``k3jax.rl``); such an
-    engine skips the prefix cache's lookups (a cached block's routes are not kept). ``layout``: the mesh layout
+    (``Sequence.prompt_routes``, ``routes``, ``sampled_logprobs``: the rollouts of ``k3jax.rl``); its prefix
+    cache's blocks keep their tokens' routes, so a prompt that resumes from them still has every token's.
+    ``layout``: the mesh layout
     of the weights, caches and programs, a key of ``k3jax.sharding.LAYOUTS``: ``serving`` (weights split
     once over the mesh, decode steps move activations only) or ``training`` (the trainer's own layout: an RL
     rollout decodes on the trainer's arrays without moving them). Weights in another layout are moved into it
@@ -236,6 +237,9 @@ class Engine:
                 raise ValueError(f"set_weights: a weight of shape {b.shape} {b.dtype} replaces one of {a.shape} "
                                  f"{a.dtype}")
         self._state = self._in_layout(state)
+        if self.prefix_cache is not None:  # its snapshots are the old weights' caches
+            self.prefix_cache.clear()
+            self.metrics.prefix_cache_size(0)
 
     # --- the client side (any thread) ----------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int, scoring: bool = False) -> None:
@@ -411,7 +415,7 @@ class Engine:
     def _cached_prefix(self, seq: Sequence) -> list:
         """The prefix cache's nodes for ``seq``'s longest cached prefix (none for a request that scores its
         prompt: every prompt position must run); at least the prompt's last token is left to run."""
-        if self.prefix_cache is None or seq.params.prompt_logprobs or self.record_routes:
+        if self.prefix_cache is None or seq.params.prompt_logprobs:
             return []
         return self.prefix_cache.lookup(seq.prompt, len(seq.prompt) - 1)
 
@@ -443,7 +447,8 @@ class Engine:
         pieces = plan_pieces([seq.prompt for seq in seqs], done, rows, self._widths, block)
         self._prefill = Prefill(list(seqs), [seq.prompt for seq in seqs], pieces, cache,
                                 self._programs.zero_last[rows](), start,
-                                scores=any(s.params.prompt_logprobs for s in seqs))
+                                scores=any(s.params.prompt_logprobs for s in seqs),
+                                cached_routes=[[node.routes for node in nodes] for nodes in hits])
 
     def _prefill_chunk(self):
         """Run the prefill's next piece; after its last, hand the rows to the pool."""
@@ -460,17 +465,23 @@ class Engine:
             job.scored.append(scored)
         for row, end in piece.snapshots:  # the row's last block ends here: its slots are the last ones
             if not self.prefix_cache.has(job.prompts[row], end):
-                block = self._programs.read_block[rows](job.cache, np.int32(row),
-                                                        np.int32(job.length - self.prefix_cache.block))
-                self.prefix_cache.insert(job.prompts[row], end, block)
-        if piece.snapshots:
-            self.metrics.prefix_cache_size(self.prefix_cache.tokens)
+                job.snapshots.append((row, end, self._programs.read_block[rows](
+                    job.cache, np.int32(row), np.int32(job.length - self.prefix_cache.block))))
         job.done += 1
         if job.done == len(job.pieces):
             if job.scores:
                 job.set_prompt_logprobs()
-            if self.record_routes:
-                job.set_prompt_routes()
+            routes = job.row_routes() if self.record_routes else None
+            if routes is not None:
+                for seq, row_routes in zip(job.seqs, routes):
+                    if seq is not None:
+                        seq.prompt_routes = row_routes
+            if job.snapshots:
+                block = self.prefix_cache.block
+                for row, end, snapshot in job.snapshots:
+                    self.prefix_cache.insert(job.prompts[row], end, snapshot,
+                                             None if routes is None else routes[row][end - block:end])
+                self.metrics.prefix_cache_size(self.prefix_cache.tokens)
             for src_row, seq in enumerate(job.seqs):
                 if seq is None:
                     continue
@@ -525,7 +536,7 @@ class Engine:
         snapshot)]``, inserted into the cache once the step's tokens are read. A conversation's next turn,
         whose prompt repeats this one and its reply, then resumes after the reply."""
         programs = self._programs
-        if self.prefix_cache is None or self.record_routes or programs.read_pool_block is None:
+        if self.prefix_cache is None or programs.read_pool_block is None:
             return []
         block = self.prefix_cache.block
         start = np.int32(self._length - block)
@@ -576,11 +587,22 @@ class Engine:
                 self._rows[r] = None
                 self._finish(seq, reason)
         if snapshots:
-            self.prefix_cache.insert_generated([(rows[r].prompt + rows[r].generated, end, snapshot)
+            self.prefix_cache.insert_generated([(rows[r].prompt + rows[r].generated, end, snapshot,
+                                                 self._block_routes(rows[r], end))
                                                 for r, end, snapshot in snapshots])
             self.metrics.prefix_cache_size(self.prefix_cache.tokens)
         self.metrics.tokens(generated=generated)
         self.metrics.step(self.active_count(), len(self._queue))
+
+    def _block_routes(self, seq: Sequence, end: int) -> np.ndarray | None:
+        """A recording engine's routes ``[block, M, k]`` of the prefix-cache block of ``seq``'s prompt and
+        generated tokens that ends at ``end`` (None when not recording)."""
+        if not self.record_routes:
+            return None
+        start, n = end - self.prefix_cache.block, len(seq.prompt)
+        prompt_part = seq.prompt_routes[start:min(end, n)]
+        generated_part = seq.routes[max(start - n, 0):end - n]
+        return np.concatenate([prompt_part, *(r[None] for r in generated_part)], axis=0)
 
     def _finish(self, seq: Sequence, reason: str):
         if seq.finish_reason is not None:

@@ -92,6 +92,11 @@ class Prefill:
     done: int = 0  # pieces run so far
     scored: list = dataclasses.field(default_factory=list)  # per piece: token_logprobs' arrays [R, W(, K)]
     routes: list = dataclasses.field(default_factory=list)  # per piece (record_routes): [R, W, M, k]
+    # per row (record_routes): the routes of its cached prefix's blocks, [block, M, k] each, root first
+    cached_routes: list = dataclasses.field(default_factory=list)
+    # (row, end, snapshot): the prefix-cache blocks the pieces ended, inserted once the prefill is done (when a
+    # recording engine knows their tokens' routes)
+    snapshots: list = dataclasses.field(default_factory=list)
 
     def set_prompt_logprobs(self) -> None:
         """Each scoring request's ``prompt_logprobs`` from the pieces' outputs: prompt token t's entry
@@ -110,12 +115,13 @@ class Prefill:
                         entries[a + q + 1] = read_logprobs(own[row, q], top[row, q], ids[row, q], k)
             seq.prompt_logprobs = entries
 
-    def set_prompt_routes(self) -> None:
-        """Each request's ``prompt_routes`` ``[n, M, k]`` from the pieces' routes (no cached prefix when
-        recording: every prompt position ran in some piece)."""
+    def row_routes(self) -> list[np.ndarray]:
+        """Each row's prompt routes ``[n, M, k]`` (the experts each prompt token used, as input): its cached
+        prefix's, kept with the blocks, then the pieces'."""
         routes = [np.asarray(r) for r in self.routes]  # per piece [R, W, M, k]
-        for row, seq in enumerate(self.seqs):
-            if seq is None:
-                continue
-            parts = [(piece.starts[row], r[row]) for piece, r in zip(self.pieces, routes) if piece.starts[row] >= 0]
-            seq.prompt_routes = np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])], axis=0)
+        out = []
+        for row in range(len(self.prompts)):
+            parts = sorted(((piece.starts[row], r[row]) for piece, r in zip(self.pieces, routes)
+                            if piece.starts[row] >= 0), key=lambda p: p[0])
+            out.append(np.concatenate([*self.cached_routes[row], *(r for _, r in parts)], axis=0))
+        return out

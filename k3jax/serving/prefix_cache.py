@@ -12,14 +12,19 @@ path.
 How the engine (``k3jax.serving.engine``) uses it: after each whole prefill chunk that ends a block of
 ``prefix_cache_block`` prompt tokens, and after each decode step that completes a block of a row's prompt
 and generated tokens, the row's snapshot there (the block's MLA latent slots, copied out, and its KDA
-states and conv tails: ``cache.read_block``) joins the trie (a generated block once the step's tokens are
-read: they are its key). So a conversation's next turn, whose prompt repeats the last one and its reply,
+states and conv tails: ``cache.read_block``) is taken, and joins the trie when the prefill ends (a
+generated block once the step's tokens are read: they are its key). So a conversation's next turn, whose prompt repeats the last one and its reply,
 resumes after the reply. A new prompt (one that does not ask for its prompt's log-probabilities) looks up
 its longest cached block prefix (leaving at least its last token to run): the blocks are written into its
 prefill row (``cache.write_block``) and only the rest is prefilled, with the same chunk boundaries as
 without the cache. Blocks are copied, not shared: a pool row is one contiguous run of slots that moves
 (``shift_slots``), not a table of blocks. They stay on the device (a hit costs copies there, no
 transfer).
+
+An engine that records rollouts (``record_routes``, reinforcement learning) keeps each block's tokens'
+experts with it (``Node.routes``, host memory: the routes of the step that first ran them), so a prompt that
+resumes from cached blocks still has every token's routes, and a multi-turn episode's next turn prefills
+only what follows its last cached block (``k3jax.rl.episodes``).
 
 Memory is bounded by ``max_tokens`` (``block`` tokens per node): inserting past it evicts the least
 recently used leaves (a node is used when a lookup or an insert passes through it); an inner node is
@@ -38,6 +43,7 @@ class Node:
     key: tuple[int, ...]  # the block's tokens
     parent: "Node | None"
     value: object = None  # the engine's snapshot of the prefix ending with this block
+    routes: object = None  # a recording engine's: the block's tokens' experts [block, M, k] (when they first ran)
     children: dict = dataclasses.field(default_factory=dict)  # key -> Node
     used: int = 0  # the lookup / insert clock when last passed through
 
@@ -84,10 +90,11 @@ class PrefixCache:
                 return False
         return True
 
-    def insert(self, tokens, end: int, value) -> bool:
-        """Cache ``value`` as the prefix ``tokens[:end]`` (``end`` a multiple of ``block``), evicting least
-        recently used leaves for room. False (nothing stored) when the prefix before its last block is not
-        cached (it was evicted since) or when it is cached already."""
+    def insert(self, tokens, end: int, value, routes=None) -> bool:
+        """Cache ``value`` (and the block's ``routes``, a recording engine's) as the prefix ``tokens[:end]``
+        (``end`` a multiple of ``block``), evicting least recently used leaves for room. False (nothing
+        stored) when the prefix before its last block is not cached (it was evicted since) or when it is
+        cached already."""
         parent, now = self._root, next(self._clock)
         for key in self._blocks(tokens, end - self.block):
             parent = parent.children.get(key)
@@ -102,26 +109,26 @@ class PrefixCache:
             if not leaves:  # only the new block's own ancestors are left
                 return False
             self._evict(min(leaves, key=lambda n: n.used))
-        node = Node(key, parent, value, used=now)
+        node = Node(key, parent, value, routes, used=now)
         parent.children[key] = node
         self._nodes.add(node)
         return True
 
     def insert_generated(self, blocks) -> None:
-        """Insert ``[(tokens, end, value)]``, blocks a decode step completed: each the prefix ``tokens[:end]``
-        of a request's prompt and generated tokens, skipped where the request stopped before ``end`` (its
-        token at ``end`` was dropped) or the prefix is cached already."""
-        for tokens, end, value in blocks:
+        """Insert ``[(tokens, end, value, routes)]``, blocks a decode step completed: each the prefix
+        ``tokens[:end]`` of a request's prompt and generated tokens, skipped where the request stopped before
+        ``end`` (its token at ``end`` was dropped) or the prefix is cached already."""
+        for tokens, end, value, routes in blocks:
             if len(tokens) == end and not self.has(tokens, end):
-                self.insert(tokens, end, value)
+                self.insert(tokens, end, value, routes)
 
     def _evict(self, node: Node) -> None:
         del node.parent.children[node.key]
         self._nodes.discard(node)
-        node.value = None
+        node.value = node.routes = None
 
     def clear(self) -> None:
         for node in list(self._nodes):
-            node.value = None
+            node.value = node.routes = None
         self._root.children.clear()
         self._nodes.clear()
