@@ -34,7 +34,9 @@ class RLConfig:
     # how token losses add up: auto = the objective's own (GRPO, GSPO: per sequence; DAPO: per token;
     # Dr.GRPO: fixed, sum / (rows x max_new_tokens))
     aggregation: Literal["auto", "sequence", "token", "fixed"] = "auto"
-    beta: float = 0.0  # KL to the reference (k3 estimator); the reference is the frozen base of a LoRA run
+    # KL to the reference (k3 estimator): the run's starting weights (train.init_from, or its seed init), a
+    # LoRA run's frozen base (no second model) or, for a full fine-tune, a frozen copy (a second copy of the weights)
+    beta: float = 0.0
     tis_threshold: float = 0.0  # truncated importance sampling against the rollout's log-probabilities; 0: off
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal; None: DAPO only
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens; 0: off

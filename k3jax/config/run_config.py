@@ -233,8 +233,6 @@ class TrainConfig:
                   f"an RL step trains on its rollouts: set it to rl.prompts_per_step x rl.group_size = {self.rl.rows}")
             check(self.seq_len > self.rl.max_new_tokens, f"{prefix}.seq_len",
                   f"must exceed rl.max_new_tokens={self.rl.max_new_tokens} (a row holds the prompt and completion)")
-            check(self.rl.beta == 0 or self.lora.enabled, f"{prefix}.rl.beta",
-                  "the KL reference is the frozen base of a LoRA run (train.lora.rank > 0): no second model is kept")
             check(self.optim.qk_clip_tau == 0, f"{prefix}.optim.qk_clip_tau",
                   "QK-clip is not applied in RL steps: set it to 0")
         check(not (self.lora.enabled and self.optim.qk_clip_tau > 0), f"{prefix}.optim.qk_clip_tau",

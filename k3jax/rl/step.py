@@ -9,8 +9,8 @@ A batch (numpy, ``[B, T]`` unless said): ``tokens``, ``segment_ids`` (1 = a toke
 aggregation weights, ``objectives.token_weights`` over the whole batch, so micro-batches add up),
 ``advantages [B]``, ``rollout_logp`` (the engine's log-probabilities of the targets), ``old_logp`` (the
 scoring forward's, before the rollout's first update; used with ``updates_per_rollout > 1``), ``ref_logp``
-(the frozen base's, with ``beta > 0``) and ``routes [B, T, M, k]`` (the experts each token used in the
-rollout; with ``routing_replay``).
+(the KL reference's, with ``beta > 0``: ``k3jax.rl.reference``) and ``routes [B, T, M, k]`` (the experts each
+token used in the rollout; with ``routing_replay``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from k3jax.config import Config
 from k3jax.layers.lora import LoRAParam
 from k3jax.model import moe_layers
 from k3jax.rl.objectives import LOSSES, per_token_loss
+from k3jax.rl.reference import keeps_reference
 from k3jax.training.step import make_step
 
 # The per-token quantities the step sums over the trained tokens (the loop divides by ``tokens``).
@@ -97,27 +98,45 @@ def make_rl_step(graphdef, cfg: Config, *, state_shardings=None):
     return make_step(graphdef, cfg, objective, per_count=False, sum_names=TOKEN_SUMS, state_shardings=state_shardings)
 
 
-def make_score_fn(graphdef, cfg: Config):
+def _reference_model(model, reference):
+    """The KL reference as a model: ``model`` with the ``reference`` weights (a full fine-tune's), or without
+    them a LoRA run's frozen base (its adapters at zero: no second model)."""
+    if reference is not None:
+        return nnx.merge(nnx.graphdef(model), reference)
+    model_def, adapters, rest = nnx.split(model, LoRAParam, ...)
+    return nnx.merge(model_def, jax.tree.map(jnp.zeros_like, adapters), rest)  # B = 0: no low-rank path
+
+
+def make_score_fn(graphdef, cfg: Config, *, reference=None):
     """``score(state, batch) -> dict`` of ``[B, T]`` arrays, no gradient, on the weights that sampled the
     rollout: ``logp`` (the trainer's log-probabilities of the targets, experts replayed when
     ``routing_replay``), with ``measure_mismatch`` on a replaying MoE model also ``free_logp`` and
     ``free_routes [B, T, M, k]`` (its own top-k: what replay corrects), and with ``beta > 0`` ``ref_logp``
-    (the frozen base: a LoRA run's adapters at zero, no second model)."""
+    (the KL reference's, experts replayed alike: a LoRA run's frozen base, or a full fine-tune's
+    ``reference``, the model state of ``k3jax.rl.reference.reference_weights``, which that run must pass)."""
     rl = cfg.train.rl
     replay = replays(cfg)
+    if keeps_reference(cfg) and reference is None:
+        raise ValueError("a full fine-tune with train.rl.beta > 0 scores against its reference weights: pass "
+                         "reference=k3jax.rl.reference.reference_weights(...)")
+    if reference is not None and not keeps_reference(cfg):
+        raise ValueError("reference weights are a full fine-tune's with train.rl.beta > 0 (a LoRA run's reference "
+                         "is its frozen base; beta = 0 has none)")
 
     @jax.jit
-    def score(state, batch):
+    def scored(state, reference, batch):
         model = nnx.merge(graphdef, state).model
         out = {"logp": _forward_logprobs(model, batch, rl.temperature, replay=replay)[0]}
         if replay and rl.measure_mismatch:
             out["free_logp"], _, stats = _forward_logprobs(model, batch, rl.temperature, replay=False, record=True)
             out["free_routes"] = stats.routes
         if rl.beta > 0:
-            model_def, adapters, rest = nnx.split(model, LoRAParam, ...)
-            base = nnx.merge(model_def, jax.tree.map(jnp.zeros_like, adapters), rest)  # B = 0: no low-rank path
-            out["ref_logp"] = _forward_logprobs(base, batch, rl.temperature, replay=replay)[0]
+            out["ref_logp"] = _forward_logprobs(_reference_model(model, reference), batch, rl.temperature,
+                                                replay=replay)[0]
         return out
+
+    def score(state, batch):
+        return scored(state, reference, batch)  # an argument, not a constant folded into the program
 
     return score
 

@@ -9,7 +9,8 @@ Each step (docs/design.md, "Reinforcement learning"):
 3. rewards (``k3jax.rl.rewards``), DAPO's overlong penalty, group-relative advantages, dynamic sampling
    (groups whose rewards are all equal carry no signal: their rows get weight 0);
 4. the scoring forward on the same weights: the rollout / trainer mismatch (``k3jax.rl.mismatch``), the old
-   policy of ``updates_per_rollout > 1``, the reference of ``beta > 0``;
+   policy of ``updates_per_rollout > 1``, the KL reference of ``beta > 0`` (``k3jax.rl.reference``: a LoRA
+   run's frozen base, a full fine-tune's step-0 weights);
 5. ``updates_per_rollout`` optimizer steps on the policy loss (``k3jax.rl.step``), the experts replayed.
 
 Checkpoints, the run lock, Ctrl-C / SIGTERM and resume work as for pre-training
@@ -39,6 +40,7 @@ from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
 from k3jax.rl.environments import load_environment
 from k3jax.rl.episodes import run_episodes
 from k3jax.rl.prompts import PromptIterator, open_prompts, prompt_ids, prompt_text
+from k3jax.rl.reference import reference_weights
 from k3jax.rl.rewards import load_reward, score_rewards
 from k3jax.rl.rollout import rollout_seed, sample, training_rows
 from k3jax.rl.step import TOKEN_SUMS, aggregation, make_rl_step, make_score_fn, replays
@@ -186,13 +188,15 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     state = ready_state(state, mesh)
+    # a full fine-tune's KL reference: its step-0 weights, also on resume (k3jax.rl.reference); else None
+    reference = reference_weights(cfg, base, nnx.state(nnx.merge(graphdef, state).model), mesh)
     # The engine decodes with the trainer's arrays (scanned layers, the training mesh and layout): no copy of
     # the weights
     engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=min(tc.seq_len + 1,
                     cfg.model.max_seq_len), prefill_batch=rl.rows, mesh=mesh, unroll_layers=False,
                     record_routes=True, layout="training")
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
-    score_fn = make_score_fn(graphdef, cfg)
+    score_fn = make_score_fn(graphdef, cfg, reference=reference)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
     log = RunLog(out, step=start, config=cfg)
 

@@ -38,8 +38,9 @@ from k3jax.model import K3Model, abstract_model
 from k3jax.sharding import abstract_with_shardings, state_shardings
 
 TRAIN_ITEMS = ("config", "model", "optimizer", "data")
-# A LoRA run's checkpoint: ``model`` holds the adapters only, ``base`` names the frozen weights they adapt
-# (:func:`resolve_base`), read again on resume and by :func:`restore_model`.
+# The checkpoint of a run that reads its starting weights again (:func:`names_base`): ``base`` names them
+# (:func:`resolve_base`). A LoRA run's ``model`` holds the adapters only (its frozen weights are the base, read
+# again on resume and by :func:`restore_model`); an RL run's KL reference is the base of a full fine-tune.
 LORA_TRAIN_ITEMS = TRAIN_ITEMS + ("base",)
 # Train fields that may change when a run resumes (the runtime fields of k3jax.config: how long and how
 # it is logged and saved). Everything else but runtime fields (model, optimizer, data, batch, seed, ...)
@@ -164,7 +165,8 @@ def restore_adapters(model: K3Model, path: str | pathlib.Path, *, step: int | No
 
 
 def resolve_base(source: str | None, seed: int) -> dict:
-    """Where a LoRA run's frozen weights come from, pinned (what its checkpoints record as ``base``):
+    """Where a run's starting weights come from, pinned (what the checkpoints of a run that :func:`names_base`
+    record as ``base``: a LoRA run's frozen weights, a full fine-tune's KL reference):
     ``{"kind": "orbax", "path", "step"}`` (a run or checkpoint directory's latest step),
     ``{"kind": "hf", "path"}`` (a Hugging Face directory) or, without a source, ``{"kind": "seed",
     "seed"}`` (the run's own random initialisation)."""
@@ -210,9 +212,17 @@ def load_base(model: K3Model, base: dict, mesh=None) -> None:
     nnx.update(model, got)
 
 
+def names_base(config: Config) -> bool:
+    """Whether ``config``'s run reads its starting weights again, so its checkpoints record where they come
+    from (``base``, :func:`resolve_base`): a LoRA run (its frozen weights) and a full fine-tune's RL run
+    with a KL term (``train.rl.beta > 0``: its reference, ``k3jax.rl.reference``)."""
+    rl = config.train.rl
+    return config.train.lora.enabled or (rl.enabled and rl.beta > 0)
+
+
 def train_items(config: Config) -> tuple[str, ...]:
     """The items of a training checkpoint of ``config``'s run."""
-    return LORA_TRAIN_ITEMS if config.train.lora.enabled else TRAIN_ITEMS
+    return LORA_TRAIN_ITEMS if names_base(config) else TRAIN_ITEMS
 
 
 def _saved_model_state(config: Config, model: K3Model) -> nnx.State:
@@ -222,29 +232,30 @@ def _saved_model_state(config: Config, model: K3Model) -> nnx.State:
 
 def save_train_state(mngr: ocp.CheckpointManager, step: int, config: Config, train_state, data_iter,
                      base: dict | None = None) -> None:
-    """Save model (a LoRA run: its adapters, and ``base``, :func:`resolve_base`), optimizer (with its step
-    count) and data-iterator position as ``step`` (asynchronously if the manager is; call
-    ``mngr.wait_until_finished()`` before exiting)."""
+    """Save model (a LoRA run: its adapters), optimizer (with its step count), data-iterator position and,
+    for a run that :func:`names_base`, ``base`` (:func:`resolve_base`) as ``step`` (asynchronously if the
+    manager is; call ``mngr.wait_until_finished()`` before exiting)."""
     import grain
 
-    if config.train.lora.enabled and base is None:
-        raise ValueError("a LoRA run's checkpoint names its base: pass base=resolve_base(...)")
+    if names_base(config) and base is None:
+        raise ValueError("this run's checkpoint names its base (a LoRA run's frozen weights, or an RL run's KL "
+                         "reference): pass base=resolve_base(...)")
     items = dict(config=ocp.args.JsonSave(to_dict(config)),
                  model=ocp.args.StandardSave(_saved_model_state(config, train_state.model)),
                  optimizer=ocp.args.StandardSave(nnx.state(train_state.optimizer)),
                  data=grain.checkpoint.CheckpointSave(data_iter))
-    if config.train.lora.enabled:
+    if names_base(config):
         items["base"] = ocp.args.JsonSave(base)
     mngr.save(step, args=ocp.args.Composite(**items), force=True)
 
 
 def restore_base(mngr: ocp.CheckpointManager, step: int) -> dict:
-    """The ``base`` a LoRA run's checkpoint ``step`` names (:func:`resolve_base`)."""
+    """The ``base`` checkpoint ``step`` of a run that :func:`names_base` names (:func:`resolve_base`)."""
     try:
         return mngr.restore(step, args=ocp.args.Composite(base=ocp.args.JsonRestore()))["base"]
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot read the LoRA base of checkpoint {mngr.directory}/{step} "
-                              f"({_summary(e)})") from e
+        raise CheckpointError(f"cannot read the base (where the run's starting weights come from) of checkpoint "
+                              f"{mngr.directory}/{step} ({_summary(e)})") from e
 
 
 def restore_train_state(mngr: ocp.CheckpointManager, config: Config, train_state, data_iter, *,
@@ -364,6 +375,6 @@ class Saver:
 
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "LORA_TRAIN_ITEMS", "RESUMABLE_TRAIN_FIELDS", "Saver",
-           "TRAIN_ITEMS", "directory_of", "latest_step", "load_base", "manager", "resolve_base", "restore_adapters",
+           "TRAIN_ITEMS", "directory_of", "latest_step", "load_base", "manager", "names_base", "resolve_base", "restore_adapters",
            "restore_base", "restore_config", "restore_model", "restore_train_state", "save_model", "save_train_state",
            "train_items"]

@@ -263,19 +263,20 @@ def _roll_back(cfg: Config, mesh, mngr, base, nonfinite: list[int], rolled_back_
 
 
 def start_state(cfg: Config, mesh, mngr, checkpoints, data_iter, *, reschedule: bool):
-    """The run's ``TrainState`` on ``mesh``, the step it starts at and, for a LoRA run, its base
-    (``checkpoint.resolve_base``): restored from the latest checkpoint of ``mngr`` (the run's directory
-    ``checkpoints``; with ``data_iter``'s
+    """The run's ``TrainState`` on ``mesh``, the step it starts at and its base (``checkpoint.resolve_base``:
+    where its starting weights come from; None unless ``train.init_from`` or ``checkpoint.names_base``):
+    restored from the latest checkpoint of ``mngr`` (the run's directory ``checkpoints``; with ``data_iter``'s
     position; :func:`check_schedule` on a changed ``train.steps``), else freshly initialised (from
     ``train.init_from`` when set)."""
     tc = cfg.train
-    base = None  # a LoRA run: where its frozen weights come from (checkpoint.resolve_base)
+    base = None
     if mngr.latest_step() is not None:
         # Restored straight into the state's shardings: no init program, no second copy of the weights.
         ts = _abstract_on(cfg, mesh)
         start = checkpoint.restore_train_state(mngr, cfg, ts, data_iter)
-        if tc.lora.enabled:  # the checkpoint holds the adapters: the frozen weights come from its base
+        if checkpoint.names_base(cfg):  # the step-0 weights, as the checkpoint recorded them
             base = checkpoint.restore_base(mngr, start)
+        if tc.lora.enabled:  # the checkpoint holds the adapters: the frozen weights come from its base
             checkpoint.load_base(ts.model, base, mesh)
         note = check_schedule(checkpoint.restore_config(checkpoints, step=start)[0], cfg, start, reschedule=reschedule)
         tqdm.write(f"resumed from {checkpoints} at step {start}" + (f"; {note}" if note else ""))
@@ -284,7 +285,7 @@ def start_state(cfg: Config, mesh, mngr, checkpoints, data_iter, *, reschedule: 
         if tc.init_from:
             base = init_weights_from(ts.model, tc.init_from, mesh)
             tqdm.write(f"initialised the model from {tc.init_from}")
-        elif tc.lora.enabled:
+        elif checkpoint.names_base(cfg):
             base = checkpoint.resolve_base(None, tc.seed)
     return ts, start, base
 
