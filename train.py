@@ -20,7 +20,8 @@ and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); ``train.lock`` ke
 Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
 ``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
 3 stopped by a fault while training, the previous checkpoint intact (a checkpoint save that failed, a bad
-data record under ``train.data.bad_records=stop``, a reward function that raised or returned a non-number (RL), ``train.max_nonfinite_steps`` skipped updates in a
+data record under ``train.data.bad_records=stop``, a reward function that raised or returned a non-number (RL),
+processes whose RL rollouts differ (several hosts), ``train.max_nonfinite_steps`` skipped updates in a
 row), 130 stopped by Ctrl-C after saving, 143 stopped by SIGTERM after saving (128 + 15, what a
 terminated process reports; a job controller that restarts failed pods reruns the command, which resumes).
 """
@@ -38,6 +39,7 @@ from k3jax.runtime import compile_cache, distributed
 from k3jax.training import checkpoint
 from k3jax.config import ConfigError, load_config
 from k3jax.data.sources import BadRecordError
+from k3jax.rl.agreement import RolloutDivergenceError
 from k3jax.rl.rewards import RewardError
 from k3jax.training.run_lock import RunLockedError
 from k3jax.sharding import make_mesh
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except (checkpoint.CheckpointError, RunLockedError, ScheduleChangeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError, RewardError) as e:
+    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError, RewardError, RolloutDivergenceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAULT
     return EXIT_SIGNAL[result["interrupted"]] if result["interrupted"] else 0

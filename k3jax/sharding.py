@@ -521,6 +521,18 @@ def shard_batch(batch: dict, mesh: Mesh, rules: Rules | None = None) -> dict:
     return out
 
 
+def place_batch(batch: dict, mesh: Mesh, rules: Rules | None = None) -> dict:
+    """A whole global batch (numpy) that every process holds the same -> global arrays on ``mesh``, split
+    as :func:`shard_batch` splits them; each process places the shards of its own devices (an RL run's
+    batch, computed by every process from the same rollout)."""
+    out = {}
+    for key, whole in batch.items():
+        whole = np.asarray(whole)
+        sharding = named_sharding(mesh, batch_array_axes(key, whole.ndim), whole.shape, rules)
+        out[key] = jax.make_array_from_callback(whole.shape, sharding, lambda index, whole=whole: whole[index])
+    return out
+
+
 def use_mesh(mesh: Mesh):
     """``jax.set_mesh(mesh)`` for a mesh of several devices; a no-op context for one device, whose
     programs need no mesh (and stay exactly the unsharded single-device programs)."""

@@ -16,6 +16,15 @@ Each step (docs/design.md, "Reinforcement learning"):
 Checkpoints, the run lock, Ctrl-C / SIGTERM and resume work as for pre-training
 (``k3jax.training.trainer``); the sampling seeds are a function of ``train.seed``, the step and the row, so
 a resumed run logs the uninterrupted run's rewards and losses. Steps count optimizer updates.
+
+Several processes (a pod slice, started with the same command on every host, as pre-training): every process
+runs the whole step. The prompt iterator and the seeds are the same everywhere, and the engine decides from
+the requests alone, reading its tokens, log-probabilities and experts from replicated device outputs, so every
+process samples the same completions, scores them (the rewards run on every host) and builds the same batch,
+of which each places its own devices' shards (``sharding.place_batch``); the scoring forward's outputs are
+gathered to every process. Once per step the processes compare digests of their rollouts and stop with
+``agreement.RolloutDivergenceError`` naming both when they differ (``k3jax.rl.agreement``). Process 0 writes
+the run directory's logs, every process its checkpoint shards.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import jax
 import numpy as np
 import yaml
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from k3jax.config import Config, to_dict
@@ -36,6 +46,7 @@ from k3jax.data.chat import reply_stop_ids
 from k3jax.model import moe_layers
 from k3jax.optim import learning_rate_schedule
 from k3jax.rl import objectives
+from k3jax.rl.agreement import check_same_rollout
 from k3jax.rl.mismatch import logprob_mismatch, routing_disagreement
 from k3jax.rl.environments import load_environment
 from k3jax.rl.episodes import run_episodes
@@ -46,14 +57,13 @@ from k3jax.rl.rollout import rollout_seed, sample, training_rows
 from k3jax.rl.step import TOKEN_SUMS, aggregation, make_rl_step, make_score_fn, replays
 from k3jax.runtime import distributed, storage
 from k3jax.serving.engine import Engine
-from k3jax.sharding import make_mesh, shard_batch, use_mesh
+from k3jax.sharding import make_mesh, place_batch, use_mesh
 from k3jax.tokenizer import load_tokenizer
 from k3jax.training import checkpoint
-from k3jax.training.run_lock import lock_run_dir
 from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
 from k3jax.training.stop_request import StopRequest
-from k3jax.training.trainer import clear_run_dir, ready_state, start_state
+from k3jax.training.trainer import open_run_dir, ready_state, start_state
 
 
 class PromptState:
@@ -158,16 +168,11 @@ def rollout_batch(cfg: Config, policy: Policy, records, completions, rewards: np
 def train_rl(cfg: Config, *, fresh: bool = False, reschedule: bool = False) -> dict:
     """Train (or resume) the RL run ``cfg`` in its run directory; returns the last step's metrics record,
     the held-out accuracy before (``eval_before``) and after (``eval_after``) and ``interrupted`` (the
-    signal's name when stopped by one after saving, else None). One process (the engine's rollouts are
-    scheduled on the calling thread of a single host)."""
+    signal's name when stopped by one after saving, else None). On the mesh ``cfg.mesh`` over all devices of
+    all processes; every process samples and scores the whole rollout (module docstring)."""
     cfg.validate()
-    if jax.process_count() > 1:
-        raise NotImplementedError("RL runs are single-process for now (one host's devices)")
     out = storage.path(cfg.train.out_dir)
-    with lock_run_dir(out):
-        if fresh:
-            clear_run_dir(out)
-        storage.mkdir(out)
+    with open_run_dir(out, fresh=fresh):
         mesh = make_mesh(cfg.mesh)
         with use_mesh(mesh):
             return _train_rl(cfg, mesh, out, reschedule)
@@ -175,6 +180,7 @@ def train_rl(cfg: Config, *, fresh: bool = False, reschedule: bool = False) -> d
 
 def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     tc, rl = cfg.train, cfg.train.rl
+    main_process = distributed.is_main_process()
     tokenizer = load_tokenizer(tc.data.tokenizer)
     policy = Policy(cfg, tokenizer)
     train_prompts = open_prompts(rl.prompts, split="train", eval_fraction=rl.eval_fraction, pattern=rl.prompt_pattern)
@@ -185,7 +191,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     mngr = checkpoint.manager(out / "checkpoints", max_to_keep=tc.keep_checkpoints,
                               item_names=checkpoint.train_items(cfg))
     ts, start, base = start_state(cfg, mesh, mngr, out / "checkpoints", position, reschedule=reschedule)
-    storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if main_process:
+        storage.write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     graphdef, state = nnx.split(ts)
     state = ready_state(state, mesh)
     # a full fine-tune's KL reference: its step-0 weights, also on resume (k3jax.rl.reference); else None
@@ -198,7 +205,9 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     score_fn = make_score_fn(graphdef, cfg, reference=reference)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
-    log = RunLog(out, step=start, config=cfg)
+    log = RunLog(out, step=start, enabled=main_process, config=cfg)
+    # several processes: the update compiles everywhere before any runs it (the longest compile)
+    step_fn = distributed.compiled_together(step_fn, barrier="k3jax_rl_step_compiled")
 
     def use_weights(state) -> float:
         t = time.perf_counter()
@@ -210,15 +219,17 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
         use_weights(state)
         result["eval_before"] = evaluate(engine, policy, eval_prompts, cfg)
         log.write({"step": 0, **result["eval_before"]})
-        tqdm.write(f"held-out reward before RL: {result['eval_before']}")
+        if main_process:
+            tqdm.write(f"held-out reward before RL: {result['eval_before']}")
     step = start
-    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=start, desc=cfg.name, unit="step", dynamic_ncols=True, disable=not main_process)
     saver = checkpoint.Saver(mngr, cfg, graphdef, position, base)
     replay = replays(cfg)
     profiler = StepProfiler(tc.profile, out)  # traces whole RL steps: rollout, scoring and updates
     try:
         with StopRequest() as stop:
-            while step < tc.steps and not stop.signum:
+            stop_signal = distributed.agreed_stop(stop.signum)
+            while step < tc.steps and not stop_signal:
                 profiler.before(step + 1)
                 record = {}
                 transfer_s = use_weights(state)
@@ -232,8 +243,10 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 rewards, per_fn = policy.score(group_records, completions)
                 batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
                 record.update({f"reward/{k}": float(np.mean(v)) for k, v in per_fn.items()})
+                check_same_rollout(step + 1, batch["tokens"], batch["rollout_logp"], rewards)
                 t2 = time.perf_counter()
-                scored = {k: np.asarray(v) for k, v in score_fn(state, shard_batch(batch, mesh)).items()}
+                # each process reads the whole of every output (gathered from the other processes' devices)
+                scored = multihost_utils.process_allgather(score_fn(state, place_batch(batch, mesh)), tiled=True)
                 record.update({f"mismatch/{k}": v for k, v in
                                logprob_mismatch(batch["rollout_logp"], scored["logp"], batch["mask"]).items()})
                 if "free_logp" in scored:
@@ -248,12 +261,13 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 if not replay:
                     del batch["routes"]
                 t3 = time.perf_counter()
-                device_batch = shard_batch(batch, mesh)
+                device_batch = place_batch(batch, mesh)
                 for _ in range(rl.updates_per_rollout):
                     state, metrics = step_fn(state, device_batch)
                     step += 1
                     bar.update(1)
-                    if step >= tc.steps or stop.signum:
+                    stop_signal = distributed.agreed_stop(stop.signum)  # every process stops after this update
+                    if step >= tc.steps or stop_signal:
                         break
                 metrics = jax.device_get(metrics)
                 t4 = time.perf_counter()
@@ -278,7 +292,7 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 if rl.eval_every and step % rl.eval_every == 0 and step < tc.steps and eval_prompts is not None:
                     use_weights(state)
                     log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
-                if step % tc.checkpoint_every == 0 or step == tc.steps or stop.signum:
+                if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
                     saver.save(step, state)
             profiler.close()
             saver.wait()
@@ -294,17 +308,20 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     mngr.close()
     if step < tc.steps:
         log.close()
-        result["interrupted"] = signal.Signals(stop.signum).name
-        tqdm.write(f"{result['interrupted']}: stopped at step {step}; checkpoint saved. Run the same command to resume.")
+        result["interrupted"] = signal.Signals(stop_signal).name
+        if main_process:
+            tqdm.write(f"{result['interrupted']}: stopped at step {step}; checkpoint saved. Run the same command to "
+                       f"resume.")
         return result
     if eval_prompts is not None:
         use_weights(state)
         result["eval_after"] = evaluate(engine, policy, eval_prompts, cfg)
         log.write({"step": step, **result["eval_after"]})
-        tqdm.write(f"held-out reward after RL: {result['eval_after']}")
+        if main_process:
+            tqdm.write(f"held-out reward after RL: {result['eval_after']}")
     log.close()
-    plot_losses(out)
-    if distributed.is_main_process():
+    if main_process:
+        plot_losses(out)
         print(f"step {step}: reward {result['record'].get('reward_mean', float('nan')):.4f}; metrics in "
               f"{out / 'metrics.jsonl'}", flush=True)
     return result

@@ -1,4 +1,4 @@
-"""Multi-process start-up: ``jax.distributed.initialize`` when the job spans several hosts.
+"""Multi-process jobs: ``jax.distributed.initialize`` across several hosts, and what the processes agree on.
 
 ``train.py`` and ``infer.py`` call :func:`initialize` before touching any device. ``--distributed``
 chooses:
@@ -12,9 +12,13 @@ chooses:
 
 After it, ``jax.devices()`` lists every process's devices, so the mesh built from ``cfg.mesh`` spans
 the whole job; each process reads its own ``1 / process_count`` of every global batch
-(``k3jax.data``) and contributes it with ``jax.make_array_from_process_local_data``; orbax writes
+(``k3jax.data``) and contributes it with ``jax.make_array_from_process_local_data`` (an RL run's
+batch, which every process computes whole, is placed with ``k3jax.sharding.place_batch``); orbax writes
 each process's shards of the train state to the shared checkpoint directory, and process 0 the
 metadata. Single-host runs never call it.
+
+The processes of a job agree on what one of them saw (:func:`any_process`, :func:`agreed_stop`) and
+compile a program before any of them runs it (:func:`compiled_together`).
 
 A process that stops answering the coordination service's heartbeat for ``heartbeat_timeout_s``
 (JAX's default: 100 s) is declared dead, and JAX then aborts every other process with a message naming
@@ -28,6 +32,7 @@ import os
 from typing import Literal
 
 import jax
+import numpy as np
 
 Mode = Literal["auto", "on", "off"]
 MODES = ("auto", "on", "off")
@@ -76,4 +81,47 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-__all__ = ["MODES", "initialize", "is_main_process", "multi_process_env"]
+def any_process(flag: bool) -> bool:
+    """``flag`` of any process, seen by all (process 0's lock outcome)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def agreed_stop(signum: int) -> int:
+    """The stop signal any process received (0: none), seen by all: a signal reaches one host (or the
+    hosts at different moments), and every host must stop and save at the same step, or the checkpoint
+    would be torn and the others would wait forever in the next step's collectives."""
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(signum, np.int32))))
+
+
+def compiled_together(fn, *, barrier: str):
+    """The jitted ``fn``, which with several processes compiles at its first call, then waits there for
+    every process to have compiled it (the coordination service's barrier ``barrier``, a name used once
+    per job; no device collective) before any runs it: gloo gives a peer 30 s to join a collective, and
+    processes compiling on a busy machine can finish further apart than that. Later calls run that
+    executable, so they must pass arguments of the first call's shapes and shardings. One process: ``fn``."""
+    if jax.process_count() == 1:
+        return fn
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = fn.lower(*args).compile()
+            from jax._src import distributed  # noqa: PLC0415 - the public API's barriers are device collectives
+
+            distributed.global_state.client.wait_at_barrier(barrier, timeout_in_ms=3_600_000)
+        return compiled(*args)
+
+    return call
+
+
+__all__ = ["MODES", "agreed_stop", "any_process", "compiled_together", "initialize", "is_main_process",
+           "multi_process_env"]

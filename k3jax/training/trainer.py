@@ -29,7 +29,6 @@ Faults (docs/design.md, "Running as a pod job"):
 from __future__ import annotations
 
 import contextlib
-import itertools
 import signal
 import time
 
@@ -69,26 +68,6 @@ class ScheduleChangeError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient (``train.max_nonfinite_steps``)."""
-
-
-def _agreed(flag: bool) -> bool:
-    """``flag`` of any process, seen by all (process 0's lock outcome)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-
-
-def _agreed_stop(signum: int) -> int:
-    """The stop signal any process received (0: none), seen by all: a signal reaches one host (or the
-    hosts at different moments), and every host must stop and save at the same step, or the checkpoint
-    would be torn and the others would wait forever in the next step's collectives."""
-    if jax.process_count() == 1:
-        return signum
-    from jax.experimental import multihost_utils
-
-    return int(np.max(multihost_utils.process_allgather(np.asarray(signum, np.int32))))
 
 
 def _print_main(text: str) -> None:
@@ -185,41 +164,35 @@ def train(cfg: Config, *, fresh: bool = False, reschedule: bool = False, sample_
     """
     cfg.validate()  # load_config validated it; a Config built or replaced in code may not be
     out = storage.path(cfg.train.out_dir)
-    main_process = distributed.is_main_process()
+    with open_run_dir(out, fresh=fresh):
+        mesh = make_mesh(cfg.mesh)
+        with use_mesh(mesh):
+            return _train(cfg, mesh, out, reschedule, sample_tokens)
+
+
+@contextlib.contextmanager
+def open_run_dir(out, *, fresh: bool):
+    """The run directory ``out`` held by this job while the body runs: process 0 takes its lock (one lock
+    per job: the other processes of a multi-host run share the directory; a refusal raises
+    :class:`~k3jax.training.run_lock.RunLockedError` on every process), empties it when ``fresh``, and no
+    process goes on before it has."""
     with contextlib.ExitStack() as lock:
         refused = None
-        if main_process:  # one lock per job: the other processes of a multi-host run share the directory
+        if distributed.is_main_process():
             try:
                 lock.enter_context(lock_run_dir(out))
             except RunLockedError as e:
                 refused = e
-        if _agreed(refused is not None):
+        if distributed.any_process(refused is not None):
             raise refused or RunLockedError(f"run directory {out} is in use by another process (process 0 says)")
-        if fresh and main_process:
+        if fresh and distributed.is_main_process():
             clear_run_dir(out)
         if jax.process_count() > 1:  # nobody reads the run directory before process 0 has cleared it
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("k3jax.train: run directory ready")
         storage.mkdir(out)
-        mesh = make_mesh(cfg.mesh)
-        with use_mesh(mesh):
-            return _train(cfg, mesh, out, reschedule, sample_tokens)
-
-
-def _compile_together(step_fn, state, batches):
-    """Several processes: each compiles the step for the first batch, then all wait at the
-    coordination service's barrier (no device collective) before the first step runs. Gloo gives a
-    peer 30 s to join a collective, and processes compiling on a busy machine can finish further
-    apart than that. Returns the compiled step, which then runs every step (the state keeps its
-    shardings and the batches theirs, so nothing compiles again), and the batches, the first one
-    included."""
-    first = next(batches)
-    compiled = step_fn.lower(state, first).compile()
-    from jax._src import distributed  # noqa: PLC0415 - the public API's barriers are device collectives
-
-    distributed.global_state.client.wait_at_barrier("k3jax_train_step_compiled", timeout_in_ms=3_600_000)
-    return compiled, itertools.chain([first], batches)
+        yield
 
 
 def ready_state(state, mesh):
@@ -339,8 +312,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
         return b
 
     batches = (shard_batch(counted(b), mesh) for b in train_iter)
-    if jax.process_count() > 1 and step < tc.steps:
-        step_fn, batches = _compile_together(step_fn, state, batches)
+    step_fn = distributed.compiled_together(step_fn, barrier="k3jax_train_step_compiled")
     saver = checkpoint.Saver(mngr, cfg, graphdef, train_iter, base)
     nonfinite: list[int] = []  # the current run of consecutive skipped steps
     rolled_back_to: set[int] = set()  # the checkpoints a rollback went back to (once each)
@@ -348,7 +320,7 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     profiler = StepProfiler(tc.profile, out)
     try:
         with StopRequest() as stop:
-            stop_signal = _agreed_stop(stop.signum)
+            stop_signal = distributed.agreed_stop(stop.signum)
             while step < tc.steps and not stop_signal:
                 profiler.before(step + 1)
                 state, metrics = step_fn(state, next(batches))
@@ -356,7 +328,8 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
                 profiler.after(step, (state, metrics))
                 bar.update(1)
                 tokens_seen += float(metrics["tokens"])
-                stop_signal = _agreed_stop(stop.signum)  # once per step: every process stops after this one
+                # once per step: every process stops after this one
+                stop_signal = distributed.agreed_stop(stop.signum)
                 if bool(metrics["finite"]):
                     nonfinite.clear()
                 else:
@@ -444,5 +417,5 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
             "interrupted": None}
 
 
-__all__ = ["DivergenceError", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "ready_state",
-           "start_state", "train"]
+__all__ = ["DivergenceError", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "open_run_dir",
+           "ready_state", "start_state", "train"]
