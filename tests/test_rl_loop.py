@@ -85,3 +85,28 @@ def test_ctrl_c_and_resume_log_the_same_run(prompts, straight, tmp_path):
     for a, b in zip(again, straight[:6]):
         for key in ("reward_mean", "loss", "grad_norm", "entropy", "response_length"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_resume_from_the_cache(tmp_path, monkeypatch):
+    """Multi-turn episodes through the loop (in process): every reply stops at once (each byte is a stop token), the
+    environment answers the first with a tool turn; the second turn resumes from the prefix cache (the prompt's
+    whole block is not prefilled again), the step trains on the replies alone and the run completes."""
+    import k3jax.rl.trainer as rl_trainer
+    from k3jax.config import load_config
+
+    prompts = tmp_path / "chat.jsonl"
+    question = "Which book is this verse from: In the beginning God created the heaven and the earth?"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{question} {i}"}]}) + "\n"
+                               for i in range(2)))
+    monkeypatch.setattr(rl_trainer, "reply_stop_ids", lambda tokenizer: tuple(range(256)))
+    cfg = load_config("tiny", [*RL_SMALL, "train.seq_len=160", "train.steps=1", f"train.rl.prompts={prompts}",
+                               "train.rl.rewards=[rl_rewards:lowercase_fraction]",
+                               "train.rl.environment=rl_rewards:tool_round_trip", "train.rl.max_turns=3",
+                               f"train.out_dir={tmp_path / 'run'}"])
+    result = rl_trainer.train_rl(cfg)
+    record = result["record"]
+    assert record["step"] == 1 and np.isfinite(record["loss"])
+    assert record["response_length"] == 2  # two one-token replies per episode; the tool turn does not count
+    # the second turn of each of the 16 episodes resumed after the prompt's first 64-token block
+    assert record["rollout/cached_tokens"] == 16 * 64

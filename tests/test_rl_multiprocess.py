@@ -92,3 +92,12 @@ def test_processes_with_different_rollouts_stop_naming_both_digests():
         assert "OK" in out, out[-3000:]
         assert (f"step 2: the processes' rollouts differ: process 1's digest is {digests[1]}, process 0's "
                 f"{digests[0]} (this is process {rank})") in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_process_zeros_tool_turns_and_rewards_reach_every_process():
+    """What process 0 alone computes (an RL run's environment answers and rewards) reaches every process, and its
+    exceptions stop every process (``distributed.main_process_result``)."""
+    for rank, out in enumerate(_finish(_start([sys.executable, "-m", "children.main_process_result"], processes=2,
+                                              devices=1))):
+        assert out.rstrip().endswith("OK"), f"process {rank}:\n{out[-3000:]}"

@@ -53,6 +53,10 @@ class RLConfig:
     # module:function returning an environment for a record; None: one reply per prompt
     environment: str | None = None
     max_turns: int = 4  # model turns per episode
+    # multi-turn: the rollout engine's prefix cache (tokens), from which each turn resumes after its history's last
+    # whole block instead of prefilling the history again; None: room for every row's whole row (rows x
+    # (seq_len + 1)); 0: off. Each block holds its KDA layers' states: the engine logs a block's bytes
+    prefix_cache_tokens: int | None = None
     # an extra forward per step without replay: the fraction of routing decisions that differ, and the
     # rollout / trainer KL without replay
     measure_mismatch: bool = runtime(True)
@@ -90,6 +94,8 @@ class RLConfig:
               f"one weight per reward function ({len(self.rewards)}), or none")
         check(self.eval_every >= 0, f"{prefix}.eval_every", "must be >= 0")
         check(self.max_turns > 0, f"{prefix}.max_turns", "must be positive")
+        check(self.prefix_cache_tokens is None or self.prefix_cache_tokens >= 0, f"{prefix}.prefix_cache_tokens",
+              "must be >= 0 (0: off)")
         if self.prompt_pattern is not None:
             try:
                 re.compile(self.prompt_pattern)

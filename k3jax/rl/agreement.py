@@ -1,11 +1,11 @@
 """Every process of a multi-host RL run must hold the same rollout: the check, once per step.
 
 Each process samples the whole rollout itself (the same prompts, seeds and engine decisions, its tokens,
-log-probabilities and experts read from replicated device outputs) and scores it itself, so all build the
-same training batch, and each places its own shards of it. A reward function or environment that is not
-deterministic (a clock, a sandbox's timing, an unseeded random draw), or processes running other code or
-data, would make the batches differ: the processes would train on inconsistent rows or, once their engines
-decide differently, run different programs and hang the slice. So before the batch is used, every process
+log-probabilities and experts read from replicated device outputs; the environments' turns and the rewards
+are process 0's, sent to all: ``distributed.main_process_result``), so all build the same training batch,
+and each places its own shards of it. Processes running other code, configs or data would make the batches
+differ: the processes would train on inconsistent rows or, once their engines decide differently, run
+different programs and hang the slice. So before the batch is used, every process
 compares a digest of its rollout (the completions' tokens, their sampled log-probabilities and the rewards:
 a few kilobytes per row) with the others' (one all-gather of an int32) and stops with
 :class:`RolloutDivergenceError` naming both digests when one differs.
@@ -48,9 +48,8 @@ def check_same_rollout(step: int, tokens: np.ndarray, logprobs: np.ndarray, rewa
         other = int(differs[0])
         raise RolloutDivergenceError(
             f"step {step}: the processes' rollouts differ: process {other}'s digest is {int(digests[other])}, "
-            f"process 0's {int(digests[0])} (this is process {jax.process_index()}). Every process must sample and "
-            f"score the same rollout: are the reward functions and the environment deterministic (no clock, no "
-            f"unseeded random draw), and do all processes run the same code, config and prompts?")
+            f"process 0's {int(digests[0])} (this is process {jax.process_index()}). Every process must sample the "
+            f"same rollout: do all processes run the same code, config, prompts and devices?")
 
 
 __all__ = ["RolloutDivergenceError", "check_same_rollout", "rollout_digest"]

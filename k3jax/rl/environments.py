@@ -50,6 +50,15 @@ class EnvTurn:
     done: bool = False  # the episode ends: no more model turns
     reward: float | None = None  # with done: the environment's reward for the episode (None: reward functions decide)
 
+    def to_json(self) -> dict:
+        """The turn as JSON values (what process 0 sends the others: ``k3jax.rl.episodes``)."""
+        return {"messages": [dict(m) for m in self.messages], "done": bool(self.done),
+                "reward": None if self.reward is None else float(self.reward)}
+
+    @classmethod
+    def from_json(cls, value: dict) -> "EnvTurn":
+        return cls(tuple(value["messages"]), value["done"], value["reward"])
+
 
 class Environment(Protocol):
     tools: list[dict]  # OpenAI tool schemas ({"type": "function", "function": {...}}) the prompt advertises

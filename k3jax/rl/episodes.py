@@ -8,6 +8,11 @@ the plain transcript's ``data.chat.parse_transcript_reply``) and handed to the e
 next turn goes on from there. An episode ends when the environment says done (the bundled ones do when
 the model answers without calling a tool) or has nothing to say, its turns (``rl.max_turns``) or its row (``train.seq_len``) run out.
 
+Several processes (a multi-host run): every process samples the same turns, but only process 0's
+environments step, and their answers go to every process (``distributed.main_process_result``), so a tool
+whose output varies (a clock, a sandbox's timing) cannot make the processes' episodes, and so their engines'
+programs, diverge.
+
 The row holds the whole conversation; only the model's tokens train (``Completion.trained``). Each token
 keeps the experts of the step that first ran it: a model token's from the decode step that fed it, a tool
 turn's from the prefill of the turn after it. The next turn does not prefill the history again: the engine's
@@ -21,9 +26,10 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.data.chat import parse_transcript_reply, render_chat, reply_stop_ids
-from k3jax.rl.environments import EnvFactory
+from k3jax.rl.environments import EnvFactory, EnvTurn
 from k3jax.rl.prompts import PromptRecord
 from k3jax.rl.rollout import Completion, sample
+from k3jax.runtime.distributed import main_process_result
 from k3jax.serving.assistant_reply import parse_reply, reply_stream
 from k3jax.serving.engine import Engine
 
@@ -104,7 +110,13 @@ def run_episodes(engine: Engine, tokenizer, records: list[PromptRecord], group_s
             turns = sample(engine, inputs, 1, max_new_tokens=limits, temperature=temperature, top_p=top_p,
                            stop_ids=stop_ids, seeds=[seed(i, turn) for i in active])
             for i, c in zip(active, turns):
-                _take_turn(episodes[i], c, tokenizer, stop_ids, last_turn=turn == max_turns - 1)
+                _take_reply(episodes[i], c, tokenizer, stop_ids)
+            asking = [episodes[i] for i in active if episodes[i].finish is None]
+            # process 0's environments answer for every process (the others' engines must see the same turns)
+            answers = main_process_result(lambda: [e.env.step([dict(m) for m in e.conversation]).to_json()
+                                                   for e in asking])
+            for e, answer in zip(asking, answers):
+                _take_answer(e, EnvTurn.from_json(answer), tokenizer, last_turn=turn == max_turns - 1)
     finally:
         for e in episodes:
             e.env.close()
@@ -113,8 +125,9 @@ def run_episodes(engine: Engine, tokenizer, records: list[PromptRecord], group_s
                        e.reply, e.reward) for e in episodes]
 
 
-def _take_turn(e: _Episode, c: Completion, tokenizer, stop_ids, *, last_turn: bool) -> None:
-    """Add a sampled model turn ``c`` (on the episode's history) to episode ``e`` and let its environment answer."""
+def _take_reply(e: _Episode, c: Completion, tokenizer, stop_ids) -> None:
+    """Add a sampled model turn ``c`` (on the episode's history) to episode ``e``: its tokens, and its message to
+    the conversation unless it ran out of tokens (which ends the episode)."""
     if c.routes is not None:
         e.routes += list(c.routes[len(e.routes):])
     e.tokens += c.tokens
@@ -127,7 +140,11 @@ def _take_turn(e: _Episode, c: Completion, tokenizer, stop_ids, *, last_turn: bo
         e.finish = "length"
         return
     e.conversation.append(message)
-    answer = e.env.step([dict(m) for m in e.conversation])
+
+
+def _take_answer(e: _Episode, answer: EnvTurn, tokenizer, *, last_turn: bool) -> None:
+    """Add the environment's ``answer`` to the model's last turn to episode ``e``: the end of the episode, or the
+    tool turn and the next generation prompt (untrained tokens)."""
     if answer.done or not answer.messages:  # (the bundled environments are done when no tool was called)
         e.finish, e.reward = "stop", answer.reward
         return

@@ -20,7 +20,8 @@ a resumed run logs the uninterrupted run's rewards and losses. Steps count optim
 Several processes (a pod slice, started with the same command on every host, as pre-training): every process
 runs the whole step. The prompt iterator and the seeds are the same everywhere, and the engine decides from
 the requests alone, reading its tokens, log-probabilities and experts from replicated device outputs, so every
-process samples the same completions, scores them (the rewards run on every host) and builds the same batch,
+process samples the same completions (the environments' turns are process 0's, sent to all), takes process
+0's rewards (``distributed.main_process_result``) and builds the same batch,
 of which each places its own devices' shards (``sharding.place_batch``); the scoring forward's outputs are
 gathered to every process. Once per step the processes compare digests of their rollouts and stop with
 ``agreement.RolloutDivergenceError`` naming both when they differ (``k3jax.rl.agreement``). Process 0 writes
@@ -102,7 +103,17 @@ class Policy:
 
     def score(self, records, completions):
         """-> (total reward ``[N]``, {reward name: ``[N]``}) of completion i of ``records[i]``: the reward
-        functions on its (final) reply, plus an episode's environment reward (``environment``) when it gave one."""
+        functions on its (final) reply, plus an episode's environment reward (``environment``) when it gave one.
+        Several processes: process 0 scores, every process gets its rewards (a reward that reads a clock or
+        runs code need not come out the same on every host)."""
+        def scores():
+            total, per_fn = self._score(records, completions)
+            return {"total": total.tolist(), "per_fn": {k: v.tolist() for k, v in per_fn.items()}}
+
+        got = distributed.main_process_result(scores)
+        return np.asarray(got["total"], np.float64), {k: np.asarray(v, np.float64) for k, v in got["per_fn"].items()}
+
+    def _score(self, records, completions):
         total, per_fn = score_rewards(self.rewards, self.weights, [prompt_text(self.tokenizer, r) for r in records],
                                       [c.reply if c.reply is not None else self.reply(c.tokens) for c in completions],
                                       [r.fields for r in records], [r.where for r in records])
@@ -198,10 +209,13 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     # a full fine-tune's KL reference: its step-0 weights, also on resume (k3jax.rl.reference); else None
     reference = reference_weights(cfg, base, nnx.state(nnx.merge(graphdef, state).model), mesh)
     # The engine decodes with the trainer's arrays (scanned layers, the training mesh and layout): no copy of
-    # the weights
-    engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=min(tc.seq_len + 1,
-                    cfg.model.max_seq_len), prefill_batch=rl.rows, mesh=mesh, unroll_layers=False,
-                    record_routes=True, layout="training")
+    # the weights. Multi-turn: each turn resumes from its history's cached blocks (k3jax.rl.episodes)
+    max_len = min(tc.seq_len + 1, cfg.model.max_seq_len)
+    cache_tokens = (0 if policy.environment is None else
+                    rl.rows * max_len if rl.prefix_cache_tokens is None else rl.prefix_cache_tokens)
+    engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=max_len, prefill_batch=rl.rows,
+                    mesh=mesh, unroll_layers=False, record_routes=True, layout="training",
+                    prefix_cache_tokens=cache_tokens)
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     score_fn = make_score_fn(graphdef, cfg, reference=reference)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
@@ -233,6 +247,7 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 profiler.before(step + 1)
                 record = {}
                 transfer_s = use_weights(state)
+                prefilled, cached = engine.metrics.prefill_tokens, engine.metrics.prefix_hit_tokens
                 t0 = time.perf_counter()
                 records = next(iterator)
                 completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
@@ -243,6 +258,9 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                 rewards, per_fn = policy.score(group_records, completions)
                 batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
                 record.update({f"reward/{k}": float(np.mean(v)) for k, v in per_fn.items()})
+                # prompt tokens the rollout ran, and those a turn resumed from the prefix cache instead
+                record["rollout/prefilled_tokens"] = engine.metrics.prefill_tokens - prefilled
+                record["rollout/cached_tokens"] = engine.metrics.prefix_hit_tokens - cached
                 check_same_rollout(step + 1, batch["tokens"], batch["rollout_logp"], rewards)
                 t2 = time.perf_counter()
                 # each process reads the whole of every output (gathered from the other processes' devices)

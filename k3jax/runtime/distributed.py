@@ -17,7 +17,8 @@ batch, which every process computes whole, is placed with ``k3jax.sharding.place
 each process's shards of the train state to the shared checkpoint directory, and process 0 the
 metadata. Single-host runs never call it.
 
-The processes of a job agree on what one of them saw (:func:`any_process`, :func:`agreed_stop`) and
+The processes of a job agree on what one of them saw (:func:`any_process`, :func:`agreed_stop`), take
+what process 0 alone computed (:func:`main_process_result`: an RL run's tool turns and rewards) and
 compile a program before any of them runs it (:func:`compiled_together`).
 
 A process that stops answering the coordination service's heartbeat for ``heartbeat_timeout_s``
@@ -28,8 +29,9 @@ long a job can hang on a lost host whose collectives do not fail by themselves.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import jax
 import numpy as np
@@ -123,5 +125,33 @@ def compiled_together(fn, *, barrier: str):
     return call
 
 
+def main_process_result(compute: Callable[[], Any]) -> Any:
+    """``compute()`` run by process 0 alone, its (JSON-serialisable) result handed to every process: what must
+    be the same everywhere but may not come out the same when each process computes it (a tool's output, a
+    reward that reads a clock or a sandbox), or is not worth computing on every host. An exception in
+    ``compute`` is raised on every process (on the others a ``RuntimeError`` quoting it), so none is left
+    waiting. One process: ``compute()`` as it is."""
+    if jax.process_count() == 1:
+        return compute()
+    from jax.experimental import multihost_utils
+
+    error, message = None, {}
+    if is_main_process():
+        try:
+            message = {"value": compute()}
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others have heard of it
+            error, message = e, {"error": f"{type(e).__name__}: {e}"}
+    data = json.dumps(message).encode()
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(len(data), np.int32)))
+    buffer = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)  # powers of two: few shapes to compile
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
+    message = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size].tobytes())
+    if error is not None:
+        raise error
+    if "error" in message:
+        raise RuntimeError(f"process 0: {message['error']}")
+    return message["value"]
+
+
 __all__ = ["MODES", "agreed_stop", "any_process", "compiled_together", "initialize", "is_main_process",
-           "multi_process_env"]
+           "main_process_result", "multi_process_env"]
