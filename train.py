@@ -20,10 +20,11 @@ and, at the end, ``loss.png`` (``k3jax/training/run_log.py``); ``train.lock`` ke
 Exit codes: 0 done, 1 the run could not start or resume (directory in use, checkpoint, a
 ``train.steps`` change that moves the learning rate: ``--reschedule``), 2 bad arguments or config,
 3 stopped by a fault while training, the previous checkpoint intact (a checkpoint save that failed, a bad
-data record under ``train.data.bad_records=stop``, a reward function that raised or returned a non-number (RL),
-processes whose RL rollouts differ (several hosts), ``train.max_nonfinite_steps`` skipped updates in a
-row), 130 stopped by Ctrl-C after saving, 143 stopped by SIGTERM after saving (128 + 15, what a
-terminated process reports; a job controller that restarts failed pods reruns the command, which resumes).
+data record under ``train.data.bad_records=stop``, a reward function that raised or returned a non-number (RL;
+on several hosts the other processes stop with process 0's error), processes whose RL rollouts differ,
+``train.max_nonfinite_steps`` skipped updates in a row), 130 stopped by Ctrl-C after saving, 143 stopped by
+SIGTERM after saving (128 + 15, what a terminated process reports; a job controller that restarts failed pods
+reruns the command, which resumes).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     except (checkpoint.CheckpointError, RunLockedError, ScheduleChangeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError, RewardError, RolloutDivergenceError) as e:
+    except (checkpoint.CheckpointSaveError, BadRecordError, DivergenceError, RewardError, RolloutDivergenceError,
+            distributed.MainProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAULT
     return EXIT_SIGNAL[result["interrupted"]] if result["interrupted"] else 0

@@ -30,7 +30,6 @@ the run directory's logs, every process its checkpoint shards.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import time
@@ -64,7 +63,7 @@ from k3jax.training import checkpoint
 from k3jax.training.profiling import StepProfiler
 from k3jax.training.run_log import RunLog, plot_losses
 from k3jax.training.stop_request import StopRequest
-from k3jax.training.trainer import open_run_dir, ready_state, start_state
+from k3jax.training.trainer import closed_on_failure, open_run_dir, ready_state, start_state
 
 
 class PromptState:
@@ -240,88 +239,79 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     saver = checkpoint.Saver(mngr, cfg, graphdef, position, base)
     replay = replays(cfg)
     profiler = StepProfiler(tc.profile, out)  # traces whole RL steps: rollout, scoring and updates
-    try:
-        with StopRequest() as stop:
-            stop_signal = distributed.agreed_stop(stop.signum)
-            while step < tc.steps and not stop_signal:
-                profiler.before(step + 1)
-                record = {}
-                transfer_s = use_weights(state)
-                prefilled, cached = engine.metrics.prefill_tokens, engine.metrics.prefix_hit_tokens
-                t0 = time.perf_counter()
-                records = next(iterator)
-                completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
-                                             temperature=rl.temperature,
-                                             seed=lambda row, turn, step=step: rollout_seed(tc.seed, step, row, turn))
-                t1 = time.perf_counter()
-                group_records = [r for r in records for _ in range(rl.group_size)]
-                rewards, per_fn = policy.score(group_records, completions)
-                batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
-                record.update({f"reward/{k}": float(np.mean(v)) for k, v in per_fn.items()})
-                # prompt tokens the rollout ran, and those a turn resumed from the prefix cache instead
-                record["rollout/prefilled_tokens"] = engine.metrics.prefill_tokens - prefilled
-                record["rollout/cached_tokens"] = engine.metrics.prefix_hit_tokens - cached
-                check_same_rollout(step + 1, batch["tokens"], batch["rollout_logp"], rewards)
-                t2 = time.perf_counter()
-                # each process reads the whole of every output (gathered from the other processes' devices)
-                scored = multihost_utils.process_allgather(score_fn(state, place_batch(batch, mesh)), tiled=True)
-                record.update({f"mismatch/{k}": v for k, v in
-                               logprob_mismatch(batch["rollout_logp"], scored["logp"], batch["mask"]).items()})
-                if "free_logp" in scored:
-                    record.update({f"mismatch_without_replay/{k}": v for k, v in
-                                   logprob_mismatch(batch["rollout_logp"], scored["free_logp"], batch["mask"]).items()})
-                    record["mismatch_without_replay/routing"] = routing_disagreement(
-                        batch["routes"], scored["free_routes"], batch["segment_ids"])
-                if rl.updates_per_rollout > 1:
-                    batch["old_logp"] = scored["logp"]
-                if rl.beta > 0:
-                    batch["ref_logp"] = scored["ref_logp"]
-                if not replay:
-                    del batch["routes"]
-                t3 = time.perf_counter()
-                device_batch = place_batch(batch, mesh)
-                for _ in range(rl.updates_per_rollout):
-                    state, metrics = step_fn(state, device_batch)
-                    step += 1
-                    bar.update(1)
-                    stop_signal = distributed.agreed_stop(stop.signum)  # every process stops after this update
-                    if step >= tc.steps or stop_signal:
-                        break
-                metrics = jax.device_get(metrics)
-                t4 = time.perf_counter()
-                profiler.after(step, state)
-                tokens = max(float(metrics["tokens"]), 1.0)
-                generated = sum(int(np.sum(c.trained)) if c.trained is not None else len(c.tokens)
-                                for c in completions)
-                record.update({
-                    "step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
-                    "grad_norm": float(metrics["grad_norm"]),
-                    # no group with reward variance (and no KL): nothing to learn, the weights were kept
-                    "update_skipped": float(metrics["zero_gradient"]),
-                    "clip_fraction": float(metrics["clipped_low"] + metrics["clipped_high"]) / tokens,
-                    **{name: float(metrics[name]) / tokens for name in TOKEN_SUMS},
-                    "rollout_tokens_per_s": generated / max(t1 - t0, 1e-9),
-                    "train_tokens_per_s": float(np.sum(batch["segment_ids"])) * rl.updates_per_rollout / max(t4 - t3, 1e-9),
-                    "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/score_s": t3 - t2,
-                    "time/train_s": t4 - t3, "time/weights_transfer_s": transfer_s})
-                log.write(record)
-                result["record"] = record
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
-                if rl.eval_every and step % rl.eval_every == 0 and step < tc.steps and eval_prompts is not None:
-                    use_weights(state)
-                    log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
-                if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
-                    saver.save(step, state)
-            profiler.close()
-            saver.wait()
-    except BaseException:
-        bar.close()
-        log.close()
-        with contextlib.suppress(Exception):
-            profiler.close()
-        with contextlib.suppress(Exception):
-            mngr.close()
-        raise
+    with closed_on_failure(bar, log, profiler, mngr), StopRequest() as stop:
+        stop_signal = distributed.agreed_stop(stop.signum)
+        while step < tc.steps and not stop_signal:
+            profiler.before(step + 1)
+            record = {}
+            transfer_s = use_weights(state)
+            prefilled, cached = engine.metrics.prefill_tokens, engine.metrics.prefix_hit_tokens
+            t0 = time.perf_counter()
+            records = next(iterator)
+            completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
+                                         temperature=rl.temperature,
+                                         seed=lambda row, turn, step=step: rollout_seed(tc.seed, step, row, turn))
+            t1 = time.perf_counter()
+            group_records = [r for r in records for _ in range(rl.group_size)]
+            rewards, per_fn = policy.score(group_records, completions)
+            batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
+            record.update({f"reward/{k}": float(np.mean(v)) for k, v in per_fn.items()})
+            # prompt tokens the rollout ran, and those a turn resumed from the prefix cache instead
+            record["rollout/prefilled_tokens"] = engine.metrics.prefill_tokens - prefilled
+            record["rollout/cached_tokens"] = engine.metrics.prefix_hit_tokens - cached
+            check_same_rollout(step + 1, batch["tokens"], batch["rollout_logp"], rewards)
+            t2 = time.perf_counter()
+            # each process reads the whole of every output (gathered from the other processes' devices)
+            scored = multihost_utils.process_allgather(score_fn(state, place_batch(batch, mesh)), tiled=True)
+            record.update({f"mismatch/{k}": v for k, v in
+                           logprob_mismatch(batch["rollout_logp"], scored["logp"], batch["mask"]).items()})
+            if "free_logp" in scored:
+                record.update({f"mismatch_without_replay/{k}": v for k, v in
+                               logprob_mismatch(batch["rollout_logp"], scored["free_logp"], batch["mask"]).items()})
+                record["mismatch_without_replay/routing"] = routing_disagreement(
+                    batch["routes"], scored["free_routes"], batch["segment_ids"])
+            if rl.updates_per_rollout > 1:
+                batch["old_logp"] = scored["logp"]
+            if rl.beta > 0:
+                batch["ref_logp"] = scored["ref_logp"]
+            if not replay:
+                del batch["routes"]
+            t3 = time.perf_counter()
+            device_batch = place_batch(batch, mesh)
+            for _ in range(rl.updates_per_rollout):
+                state, metrics = step_fn(state, device_batch)
+                step += 1
+                bar.update(1)
+                stop_signal = distributed.agreed_stop(stop.signum)  # every process stops after this update
+                if step >= tc.steps or stop_signal:
+                    break
+            metrics = jax.device_get(metrics)
+            t4 = time.perf_counter()
+            profiler.after(step, state)
+            tokens = max(float(metrics["tokens"]), 1.0)
+            generated = sum(int(np.sum(c.trained)) if c.trained is not None else len(c.tokens)
+                            for c in completions)
+            record.update({
+                "step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                "grad_norm": float(metrics["grad_norm"]),
+                # no group with reward variance (and no KL): nothing to learn, the weights were kept
+                "update_skipped": float(metrics["zero_gradient"]),
+                "clip_fraction": float(metrics["clipped_low"] + metrics["clipped_high"]) / tokens,
+                **{name: float(metrics[name]) / tokens for name in TOKEN_SUMS},
+                "rollout_tokens_per_s": generated / max(t1 - t0, 1e-9),
+                "train_tokens_per_s": float(np.sum(batch["segment_ids"])) * rl.updates_per_rollout / max(t4 - t3, 1e-9),
+                "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/score_s": t3 - t2,
+                "time/train_s": t4 - t3, "time/weights_transfer_s": transfer_s})
+            log.write(record)
+            result["record"] = record
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+            if rl.eval_every and step % rl.eval_every == 0 and step < tc.steps and eval_prompts is not None:
+                use_weights(state)
+                log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
+            if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
+                saver.save(step, state)
+        profiler.close()
+        saver.wait()
     bar.close()
     mngr.close()
     if step < tc.steps:

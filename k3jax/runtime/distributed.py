@@ -125,11 +125,15 @@ def compiled_together(fn, *, barrier: str):
     return call
 
 
+class MainProcessError(RuntimeError):
+    """Raised on the other processes when process 0's :func:`main_process_result` computation raised."""
+
+
 def main_process_result(compute: Callable[[], Any]) -> Any:
     """``compute()`` run by process 0 alone, its (JSON-serialisable) result handed to every process: what must
     be the same everywhere but may not come out the same when each process computes it (a tool's output, a
     reward that reads a clock or a sandbox), or is not worth computing on every host. An exception in
-    ``compute`` is raised on every process (on the others a ``RuntimeError`` quoting it), so none is left
+    ``compute`` is raised on every process (on the others a :class:`MainProcessError` quoting it), so none is left
     waiting. One process: ``compute()`` as it is."""
     if jax.process_count() == 1:
         return compute()
@@ -149,9 +153,9 @@ def main_process_result(compute: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     if "error" in message:
-        raise RuntimeError(f"process 0: {message['error']}")
+        raise MainProcessError(f"process 0: {message['error']}")
     return message["value"]
 
 
-__all__ = ["MODES", "agreed_stop", "any_process", "compiled_together", "initialize", "is_main_process",
+__all__ = ["MODES", "MainProcessError", "agreed_stop", "any_process", "compiled_together", "initialize", "is_main_process",
            "main_process_result", "multi_process_env"]

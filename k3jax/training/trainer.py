@@ -195,6 +195,23 @@ def open_run_dir(out, *, fresh: bool):
         yield
 
 
+@contextlib.contextmanager
+def closed_on_failure(bar, log, profiler, mngr):
+    """A run's step loop: on any exception in it (a failed save, a divergence, a bad record, a second signal)
+    the progress ``bar``, the run ``log``, the ``profiler`` and the checkpoint manager ``mngr`` are closed
+    before it propagates. What was saved stays, and nothing waits on a save that failed."""
+    try:
+        yield
+    except BaseException:
+        bar.close()
+        log.close()
+        with contextlib.suppress(Exception):
+            profiler.close()
+        with contextlib.suppress(Exception):
+            mngr.close()
+        raise
+
+
 def ready_state(state, mesh):
     """A train state ready to step: what a checkpoint does not hold (the count of updates skipped by the
     NaN guard) restarts at zero, and on a one-device mesh everything is placed on it."""
@@ -318,64 +335,53 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
     rolled_back_to: set[int] = set()  # the checkpoints a rollback went back to (once each)
     skips_logged = 0
     profiler = StepProfiler(tc.profile, out)
-    try:
-        with StopRequest() as stop:
+    with closed_on_failure(bar, log, profiler, mngr), StopRequest() as stop:
+        stop_signal = distributed.agreed_stop(stop.signum)
+        while step < tc.steps and not stop_signal:
+            profiler.before(step + 1)
+            state, metrics = step_fn(state, next(batches))
+            step += 1
+            profiler.after(step, (state, metrics))
+            bar.update(1)
+            tokens_seen += float(metrics["tokens"])
+            # once per step: every process stops after this one
             stop_signal = distributed.agreed_stop(stop.signum)
-            while step < tc.steps and not stop_signal:
-                profiler.before(step + 1)
-                state, metrics = step_fn(state, next(batches))
-                step += 1
-                profiler.after(step, (state, metrics))
-                bar.update(1)
-                tokens_seen += float(metrics["tokens"])
-                # once per step: every process stops after this one
-                stop_signal = distributed.agreed_stop(stop.signum)
-                if bool(metrics["finite"]):
+            if bool(metrics["finite"]):
+                nonfinite.clear()
+            else:
+                nonfinite.append(step)
+                tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
+                if tc.max_nonfinite_steps and len(nonfinite) >= tc.max_nonfinite_steps and not stop_signal:
+                    saver.wait()
+                    state, step = _roll_back(cfg, mesh, mngr, base, nonfinite, rolled_back_to)
+                    log.roll_back(step)
                     nonfinite.clear()
-                else:
-                    nonfinite.append(step)
-                    tqdm.write(f"step {step}: non-finite loss or gradient; update skipped")
-                    if tc.max_nonfinite_steps and len(nonfinite) >= tc.max_nonfinite_steps and not stop_signal:
-                        saver.wait()
-                        state, step = _roll_back(cfg, mesh, mngr, base, nonfinite, rolled_back_to)
-                        log.roll_back(step)
-                        nonfinite.clear()
-                        bar.n = step
-                        bar.refresh()
-                        continue
-                if step % tc.log_every == 0 or step == tc.steps:
-                    dt = time.perf_counter() - t0
-                    imbalance = np.asarray(metrics["expert_imbalance"])
-                    record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
-                              "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
-                              "trained_fraction": window["trained_tokens"] / max(window["tokens"], 1),
-                              "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
-                    if skipped_records is not None:  # this process's records skipped since the last log
-                        record["skipped_records"] = skipped_records.count - skips_logged
-                        skips_logged = skipped_records.count
-                    log.write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}",
-                                    imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
-                    t0, tokens_seen = time.perf_counter(), 0.0
-                    window.update(tokens=0, trained_tokens=0)
-                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                    log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
-                if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
-                    saver.save(step, state)
-                    saved_step = step
-            profiler.close()
-            saver.wait()
-    except BaseException:
-        # a failed save, a divergence, a bad record, a second signal: what was saved stays, nothing waits
-        # on a save that failed
-        bar.close()
-        log.close()
-        with contextlib.suppress(Exception):
-            profiler.close()
-        with contextlib.suppress(Exception):
-            mngr.close()
-        raise
+                    bar.n = step
+                    bar.refresh()
+                    continue
+            if step % tc.log_every == 0 or step == tc.steps:
+                dt = time.perf_counter() - t0
+                imbalance = np.asarray(metrics["expert_imbalance"])
+                record = {"step": step, "loss": float(metrics["loss"]), "lr": float(schedule(step - 1)),
+                          "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_seen / dt,
+                          "trained_fraction": window["trained_tokens"] / max(window["tokens"], 1),
+                          "expert_imbalance": {str(i): float(v) for i, v in zip(moe_layers, imbalance)}}
+                if skipped_records is not None:  # this process's records skipped since the last log
+                    record["skipped_records"] = skipped_records.count - skips_logged
+                    skips_logged = skipped_records.count
+                log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}",
+                                imbalance=f"{imbalance.max():.2f}" if imbalance.size else "-")
+                t0, tokens_seen = time.perf_counter(), 0.0
+                window.update(tokens=0, trained_tokens=0)
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                log.write({"step": step, "eval_loss": evaluate(eval_fn, state, cfg, tokenizer, mesh)})
+            if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
+                saver.save(step, state)
+                saved_step = step
+        profiler.close()
+        saver.wait()
     bar.close()
     mngr.close()
     if step < tc.steps:
@@ -417,5 +423,5 @@ def _train(cfg: Config, mesh, out, reschedule: bool, sample_tokens: int) -> dict
             "interrupted": None}
 
 
-__all__ = ["DivergenceError", "ScheduleChangeError", "check_schedule", "evaluate", "init_weights_from", "open_run_dir",
-           "ready_state", "start_state", "train"]
+__all__ = ["DivergenceError", "ScheduleChangeError", "check_schedule", "closed_on_failure", "evaluate",
+           "init_weights_from", "open_run_dir", "ready_state", "start_state", "train"]

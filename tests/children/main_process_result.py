@@ -26,7 +26,7 @@ def main() -> None:
         distributed.main_process_result(fail)
     except ValueError as e:
         assert rank == 0 and str(e) == "the reward function broke"
-    except RuntimeError as e:
+    except distributed.MainProcessError as e:
         assert rank == 1 and str(e) == "process 0: ValueError: the reward function broke", e
     else:
         raise AssertionError("no exception")
