@@ -9,6 +9,7 @@ the compiles take about 50 s on two busy cores. Needs ``jax[tpu]==0.10.2`` (libt
 executables stay out of the persistent compilation cache (``compiling.compile_job``).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -30,7 +31,8 @@ SLICE = "v5p-8"  # 2x2x1 chips: 4 devices
 MESH = MeshConfig(data=1, fsdp=2, expert=2)
 SEQ = 64
 OVERRIDES = ("model.num_layers=2", "train.rl.group_size=4", "train.rl.prompts_per_step=2",
-             "train.rl.max_new_tokens=32", "train.lora.rank=4", "quant.experts=mxfp4", "model.param_dtype=bfloat16")
+             "train.rl.max_new_tokens=32", "train.lora.rank=4", "quant.experts=mxfp4", "model.param_dtype=bfloat16",
+             "train.rl.rollout_layout=serving")
 
 
 def _devices():
@@ -56,6 +58,9 @@ def test_rl_job_takes_its_rows_from_the_config(job):
     assert job.overrides[-3:] == ("train.batch_size=8", f"train.seq_len={SEQ}", f"train.rl.loss={aot.plan.RL_LOSS}")
     cfg = job.load()
     assert cfg.train.rl.enabled and cfg.train.lora.enabled and cfg.model.quant.experts == "mxfp4"
+    # the rollout's layout is the run's
+    assert job.layout == cfg.train.rl.rollout_layout == "serving"
+    assert aot.rl_job("tiny", SLICE, MESH, SEQ, OVERRIDES[:-1]).layout == "training"  # the default
 
 
 def test_both_phases_compile_and_report(result, job):
@@ -71,7 +76,9 @@ def test_both_phases_compile_and_report(result, job):
         # each phase is held to the HBM less what the other keeps resident through it
         assert p.resident_bytes > 0 and p.hbm_limit_bytes == p.hbm_bytes - p.resident_bytes
         assert p.resident_total_bytes == p.total_bytes + p.resident_bytes
-    assert r.rollout.resident_bytes == r.optimizer_bytes and r.train.resident_bytes == r.cache_bytes
+    # the rollout decodes from a serving copy of the weights: the whole train state stays resident beside it
+    assert r.rollout_layout == "serving" and r.rollout.resident_bytes == r.state_bytes
+    assert r.train.resident_bytes == r.cache_bytes and r.transfer_bytes > 0
     assert 0 < r.weight_bytes < r.state_bytes and r.cache_bytes > 0
     # LoRA: the optimizer state is the adapters' AdamW moments, a small part of the frozen base
     assert r.optimizer_bytes < r.weight_bytes
@@ -93,7 +100,8 @@ def test_both_phases_compile_and_report(result, job):
     assert data["memory"]["resident_bytes"] == r.state_bytes + r.cache_bytes
     print(text)  # the figures (pytest -s)
     rows = aot.table(list(r.phases))
-    assert "rl rollout 8 x 1 @ 65 slots (+ " in rows and "GiB optimizer state resident)" in rows
+    assert "rl rollout 8 x 1 @ 65 slots (+ " in rows and "GiB train state resident)" in rows
+    assert "rollout in the serving layout: the weights are copied into it before each rollout by one reshard" in text
     assert "rl train 8 x 64 (+ " in rows and "GiB rollout cache resident)" in rows
 
 
@@ -120,3 +128,14 @@ def test_rl_batch_must_be_the_rollout_rows(capsys):
     with pytest.raises(SystemExit) as e:
         aot.main(["--config", "tiny", "--mode", "rl", "--slice", SLICE, "--batch", "3", *OVERRIDES])
     assert e.value.code == 2 and "train.rl.prompts_per_step x train.rl.group_size = 8" in capsys.readouterr().err
+
+
+def test_a_serving_rollout_moves_less_than_one_on_the_trainers_arrays(result, job):
+    """The rollout's decode step in the serving layout moves less per step than the same step on the train
+    state's FSDP-split arrays, which gathers weights every step; the serving copy is made once per rollout."""
+    training = compiling.compile_job(dataclasses.replace(job, layout="training", phase="rollout"), breakdown=True,
+                                     devices=_devices(), log=lambda s: None)
+    serving, on_trainers = (sum(p.breakdown.collective_bytes.values()) for p in (result.rollout, training))
+    print(f"rollout collectives per device and step: serving {serving} B, training {on_trainers} B; "
+          f"the serving copy {result.transfer_bytes} B once per rollout")
+    assert serving < on_trainers

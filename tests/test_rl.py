@@ -51,6 +51,10 @@ def test_engine_decodes_with_the_trainers_arrays(rollout):
         assert a is b  # the same arrays: no copy, no reshard
     with pytest.raises(ValueError, match="structure"):
         engine.set_weights({"not": "a model"})
+    engine.release_weights()  # between rollouts the engine holds no weights and runs nothing
+    with pytest.raises(RuntimeError, match="set_weights first"):
+        sample(engine, [[1, 2, 3]], 1, max_new_tokens=2, temperature=1.0, top_p=1.0, stop_ids=(), seeds=[0])
+    engine.set_weights(model_state)
 
 
 def jax_leaves(tree):

@@ -75,3 +75,8 @@ def test_decode_step_moves_activations_not_weights():
 @pytest.mark.slow
 def test_checkpoints_load_straight_into_the_serving_layout():
     run_child("serving_layout", "loading")
+
+
+@pytest.mark.slow
+def test_an_rl_rollout_in_the_serving_layout_samples_as_in_the_trainers():
+    run_child("serving_layout", "rollout")

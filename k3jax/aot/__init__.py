@@ -31,10 +31,11 @@ are lowered from ``ShapeDtypeStruct`` arguments that carry the rule-derived shar
   for ``train.rl.prompts_per_step x group_size`` rows of ``seq_len`` tokens (prompt + completion): the
   rollout, the serving engine's decode step (``k3jax.serving.programs.decode_program``: routes and sampled
   log-probabilities recorded) of every row against the engine's pool of ``seq_len + 1`` slots, on the train
-  state's weights (a LoRA config's adapters with its frozen base); and the update, ``k3jax.rl.step.make_rl_step``
+  state's weights (a LoRA config's adapters with its frozen base) in ``train.rl.rollout_layout`` (serving: a copy
+  made by one reshard per rollout, whose collectives are reported); and the update, ``k3jax.rl.step.make_rl_step``
   on ``[rows, seq_len]`` rows with the rollout's experts replayed. Each is compiled under the HBM budget
-  less what the other keeps resident (the optimizer state through the rollout, the engine's pool through
-  the update), and reported with it (``compiling.compile_rl``, ``report.rl_report``).
+  less what the other keeps resident (the optimizer or whole train state through the rollout, the engine's
+  pool through the update), and reported with it (``compiling.compile_rl``, ``report.rl_report``).
 
 - ``slices``: v5p slices (chips, HBM, peak FLOP/s, ICI bandwidth) and their libtpu device descriptions;
 - ``plan``: a job (config, program, slice, mesh, batch), an rl job from its config, and the PLAN of the scale

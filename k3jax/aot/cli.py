@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--breakdown's value {args.breakdown!r} looks like a config override: give a JSON path "
                  "(--breakdown out.json) or put --breakdown after the overrides")
     if args.layout and args.mode not in ("decode", "prefill"):
-        ap.error(f"--layout applies to decode and prefill jobs; {args.mode} jobs use the training layout")
+        ap.error(f"--layout applies to decode and prefill jobs; train jobs use the training layout, an rl job's "
+                 f"rollout train.rl.rollout_layout's")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         ap.error(f"--hbm-gib must be positive, got {args.hbm_gib}")
     if args.xla_dump:  # read when the first backend starts, which has not happened yet

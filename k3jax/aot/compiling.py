@@ -34,11 +34,13 @@ Reinforcement learning (``rl`` jobs, :func:`compile_rl`): rollouts and updates r
 of weight arrays (``k3jax.rl.trainer``), so two programs are compiled from one abstract train state and its
 shardings: the **rollout**, the serving engine's own decode step (``k3jax.serving.programs.decode_program``,
 recording routes and sampled log-probabilities) of every row (``train.rl.prompts_per_step x group_size``)
-against the engine's pool of ``seq_len + 1`` slots, reading the train state's model arrays as they are
-(LoRA: the adapters with the frozen base); and the **update**, ``k3jax.rl.step.make_rl_step`` on the rows
-``[rows, seq_len]`` with the rollout's routes replayed (``train.rl.routing_replay``). Each phase's arrays
-that the other keeps on the device stay resident through it: the optimizer state through the rollout,
-the engine's pool (cache, last logits, keys) through the update. Each phase is therefore compiled held to
+against the engine's pool of ``seq_len + 1`` slots, on the train state's model arrays (LoRA: the adapters with
+the frozen base) in the rollout's layout (``train.rl.rollout_layout``: ``serving``, a copy made before each
+rollout by one reshard, :func:`lower_weight_transfer`, whose collectives are reported; ``training``, the
+arrays as they are); and the **update**, ``k3jax.rl.step.make_rl_step`` on the rows ``[rows, seq_len]`` with
+the rollout's routes replayed (``train.rl.routing_replay``), in the training layout. Each phase's arrays that
+the other keeps on the device stay resident through it: through the rollout the optimizer state (the whole
+train state beside a serving copy), through the update the engine's pool (cache, last logits, keys). Each phase is therefore compiled held to
 the HBM budget less those resident bytes (the fits column's "under"), and its report adds them to its
 memory_analysis total (``Result.resident_bytes``); the larger of the two sums is the job's peak. Their
 FLOPs and collectives come from the breakdown (``k3jax.aot.breakdown``) even without ``--breakdown``: the
@@ -149,6 +151,10 @@ class RLResult:
     state_bytes: int  # the train state: weights (adapters and frozen base included), optimizer state, counters
     weight_bytes: int  # of which the model's arrays: what the rollout reads
     cache_bytes: int  # the rollout engine's pool: the cache of every row, their last logits and sampling keys
+    # the rollout engine's layout (train.rl.rollout_layout): `serving` decodes from a copy of the weights made
+    # before each rollout by one reshard, whose collective bytes per device are transfer_bytes
+    rollout_layout: str = "training"
+    transfer_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
@@ -157,7 +163,7 @@ class RLResult:
 
     @property
     def optimizer_bytes(self) -> int:
-        """The train state less the weights: resident through the rollout."""
+        """The train state less the weights."""
         return self.state_bytes - self.weight_bytes
 
     @property
@@ -409,13 +415,21 @@ def _no_persistent_cache():
 
 
 def job_layout(job: Job) -> Layout:
-    """The tables a job's program is placed and traced under (``k3jax.sharding``): training's for train and rl
-    jobs (the RL rollout decodes on the trainer's weights, in their layout), else the decode or prefill
-    tables of ``job.layout``."""
-    if job.mode in ("train", "rl"):
+    """The tables a job's program is placed and traced under (``k3jax.sharding``): training's for train jobs and
+    rl updates, else the decode tables (an rl rollout's too: ``train.rl.rollout_layout``) or prefill tables of
+    ``job.layout``."""
+    if job.mode == "train" or (job.mode == "rl" and job.phase != "rollout"):
         return TRAINING
     decode, prefill = LAYOUTS[job.layout]
-    return decode if job.mode == "decode" else prefill
+    return prefill if job.mode == "prefill" else decode
+
+
+def lower_weight_transfer(mesh, weights, target):
+    """The move of the weights into the rollout's layout before each rollout (``Engine.set_weights``): one
+    jitted reshard of ``weights`` (sharded ShapeDtypeStructs) to ``target``'s shardings."""
+    jitted = jax.jit(lambda w: w, out_shardings=jax.tree.map(lambda x: x.sharding, target))
+    with jax.set_mesh(mesh):
+        return jitted.lower(weights)
 
 
 def compile_job(job: Job, *, flops: bool = True, breakdown: bool = False, devices=None,
@@ -498,21 +512,32 @@ def compile_rl(job: Job, *, flops: bool = True, breakdown: bool = False,
     tpu = TpuSlice.v5p(job.slice)
     devices = tpu.devices() if devices is None else devices
     mesh = make_mesh(job.mesh, devices)
-    a = rl_arguments(cfg, mesh, job_model(cfg, job.mode), job_layout(job).rules, job.batch, job.seq_len)
-    state, weights, cache = device_bytes(a["state"]), device_bytes(a["weights"]), device_bytes(a["pool"])
-    del a
+    rollout_layout = job_layout(dataclasses.replace(job, phase="rollout"))
+    a = rl_arguments(cfg, mesh, job_model(cfg, job.mode), TRAINING.rules, job.batch, job.seq_len)
+    with rollout_layout.active():
+        r = rl_arguments(cfg, mesh, job_model(cfg, job.mode), rollout_layout.rules, job.batch, job.seq_len)
+    state, weights, cache = device_bytes(a["state"]), device_bytes(a["weights"]), device_bytes(r["pool"])
+    copied = job.layout != "training"  # the rollout decodes from a copy in its layout, beside the train state
+    transfer = 0
+    if copied:
+        with _no_persistent_cache():
+            compiled = lower_weight_transfer(mesh, a["weights"], r["weights"]).compile()
+        transfer = sum(hlo_breakdown.breakdown(compiled.as_text()).collective_bytes.values())
+        del compiled
+    del a, r
     if hbm_limit_bytes is None:
         hbm_limit_bytes = tpu.hbm_bytes if job.hbm_gib is None else int(job.hbm_gib * GIB)
     out = {}
-    for phase, resident in (("rollout", state - weights), ("train", cache)):
+    for phase, resident in (("rollout", state if copied else state - weights), ("train", cache)):
         log(f"  {phase}: {resident / GIB:.2f} GiB resident beside it")
         r = compile_job(dataclasses.replace(job, phase=phase), flops=flops,
                         breakdown=breakdown or flops, devices=devices,
                         hbm_limit_bytes=max(hbm_limit_bytes - resident, 2**20), log=log)
         out[phase] = dataclasses.replace(r, resident_bytes=resident)
-    return RLResult(out["rollout"], out["train"], state_bytes=state, weight_bytes=weights, cache_bytes=cache)
+    return RLResult(out["rollout"], out["train"], state_bytes=state, weight_bytes=weights, cache_bytes=cache,
+                    rollout_layout=job.layout, transfer_bytes=transfer)
 
 
 __all__ = ["RLResult", "Result", "abstract_batch", "abstract_rl_batch", "compile_job", "compile_rl", "device_bytes",
-           "job_layout", "job_model", "lower_decode", "lower_rl_rollout", "lower_rl_train", "lower_train", "rl_arguments",
+           "job_layout", "job_model", "lower_decode", "lower_weight_transfer", "lower_rl_rollout", "lower_rl_train", "lower_train", "rl_arguments",
            "rl_slots", "without_groups"]

@@ -29,7 +29,8 @@ class Job:
     hbm_gib: float | None = None  # the budget the compiler is held to per device (None: the device's HBM)
     prefill_chunk: int = 0  # prefill: prompt tokens per row and call (0: the whole context in one call)
     phase: Literal["", "rollout", "train"] = ""  # rl: the program (above)
-    # decode, prefill: the weights' and caches' layout (k3jax.sharding.LAYOUTS); train and rl jobs use training's
+    # decode, prefill, an rl job's rollout: the weights' and caches' layout (k3jax.sharding.LAYOUTS; an rl job
+    # takes train.rl.rollout_layout's); train jobs and rl updates use training's
     layout: Literal["serving", "training"] = "serving"
 
     def load(self) -> Config:
@@ -60,8 +61,8 @@ def rl_job(config: str, slice: str, mesh: MeshConfig, seq_len: int | None = None
     if load_config(config, [*overrides, *derived]).train.rl.loss == "off":
         derived += (f"train.rl.loss={RL_LOSS}",)
     job = Job(config, "rl", slice, mesh, rows, seq, (*overrides, *derived), **kwargs)
-    job.load()  # the RL checks (train.seq_len > train.rl.max_new_tokens, ...)
-    return job
+    # the rollout's layout is the run's (train.rl.rollout_layout); the RL checks (train.seq_len > max_new_tokens, ...)
+    return dataclasses.replace(job, layout=job.load().train.rl.rollout_layout)
 
 
 # The scale proof (docs/scale.md). Train: full K3 (float32 master weights, bf16 Muon momentum, AdamW

@@ -97,7 +97,7 @@ def rl_report(r: RLResult) -> tuple[str, dict]:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     data = {}
     for p in r.phases:
-        resident = "optimizer state" if p.job.phase == "rollout" else "rollout cache"
+        resident = resident_what(p.job)
         coll = dict(p.breakdown.collective_bytes) if p.breakdown is not None else {}
         fl = (f"{p.step_flops:.3e} | {p.model_flops:.3e} | {p.flops_ratio:.2f}" if p.step_flops else "– | – | –")
         sent = sum(coll.values())
@@ -114,13 +114,26 @@ def rl_report(r: RLResult) -> tuple[str, dict]:
             "tokens": p.tokens, "collective_bytes": coll, "compile_seconds": p.compile_seconds}
     memory = {"state_bytes": r.state_bytes, "weight_bytes": r.weight_bytes, "optimizer_bytes": r.optimizer_bytes,
               "cache_bytes": r.cache_bytes, "resident_bytes": r.resident_bytes, "peak_bytes": r.peak_bytes,
-              "hbm_bytes": r.train.hbm_bytes}
+              "hbm_bytes": r.train.hbm_bytes, "rollout_layout": r.rollout_layout, "transfer_bytes": r.transfer_bytes}
     rows += ["", f"per device through both phases: train state {gib(r.state_bytes)} GiB (weights "
                  f"{gib(r.weight_bytes)}, optimizer state {gib(r.optimizer_bytes)}) + rollout cache "
                  f"{gib(r.cache_bytes)} GiB = {gib(r.resident_bytes)} GiB; peak with both resident "
                  + (f"{gib(r.peak_bytes)} / {gib(r.train.hbm_bytes)} GiB" if not (r.rollout.error or r.train.error)
                     else "– (not compiled within the budget)")]
+    if r.rollout_layout != "training":
+        rows.append(f"rollout in the {r.rollout_layout} layout: the weights are copied into it before each rollout by one "
+                    f"reshard, {r.transfer_bytes / 1e9:.2f} GB of collectives per device "
+                    f"({r.transfer_bytes / V5P_ICI_BYTES_PER_S:.3f} s at ICI), and freed before the update")
     return "\n".join(rows), {**data, "memory": memory}
+
+
+def resident_what(job) -> str:
+    """What an rl phase's resident bytes are: through the update the rollout engine's pool; through the rollout
+    the optimizer state (a rollout on the train state's own arrays) or the whole train state (one on a copy in
+    the serving layout)."""
+    if job.phase != "rollout":
+        return "rollout cache"
+    return "optimizer state" if job.layout == "training" else "train state"
 
 
 def program_text(r: Result) -> str:
@@ -163,8 +176,7 @@ def table(results: list[Result]) -> str:
         what = program_text(r)
         notes = [j.note] if j.note else []
         if r.resident_bytes:
-            notes.append(f"+ {gib(r.resident_bytes)} GiB "
-                         f"{'optimizer state' if j.phase == 'rollout' else 'rollout cache'} resident")
+            notes.append(f"+ {gib(r.resident_bytes)} GiB {resident_what(j)} resident")
         if notes:
             what += f" ({'; '.join(notes)})"
         if r.error:

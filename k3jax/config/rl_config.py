@@ -43,6 +43,10 @@ class RLConfig:
     overlong_penalty: float = 1.0
     # record each token's experts in the rollout and use them in the training forward (MoE models)
     routing_replay: bool = True
+    # the rollout engine's weight layout on the mesh: `training` (the trainer's arrays as they are: no copy, but
+    # each decode step gathers what FSDP split) or `serving` (a copy split once over every device, made each step:
+    # no weight moves in a decode step; the copy and the serving layout's caches cost memory: docs/scale.md)
+    rollout_layout: Literal["training", "serving"] = "training"
     # reward functions: built-in names (exact_match, format, math) or module:function; weights 1 if empty
     rewards: tuple[str, ...] = ("exact_match",)
     reward_weights: tuple[float, ...] = ()

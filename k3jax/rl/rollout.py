@@ -1,8 +1,8 @@
 """Rollouts: G completions per prompt sampled by the serving engine on the trainer's weights, and the
 training rows built from them.
 
-The engine (``k3jax.serving.engine``, built with ``record_routes``) decodes with the trainer's own arrays
-(``Engine.set_weights``: no copy, no reshard on the training mesh) and records, per token, the
+The engine (``k3jax.serving.engine``, built with ``record_routes``) decodes with the trainer's weights on the
+training mesh (``Engine.set_weights``, in ``train.rl.rollout_layout``) and records, per token, the
 log-probability it sampled with and the experts every MoE layer selected. Each completion's seed comes
 from ``train.seed``, the step and its row, and the engine runs on the calling thread (``Engine.run``), so a
 resumed run samples the same completions.

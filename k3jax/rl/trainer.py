@@ -4,7 +4,7 @@ Each step (docs/design.md, "Reinforcement learning"):
 
 1. ``prompts_per_step`` prompt records from the prompt iterator (its position is checkpointed);
 2. ``group_size`` completions each, sampled by the serving engine from the trainer's current weights
-   (``Engine.set_weights``: the same arrays, no copy) with the sampled log-probabilities and, for an MoE
+   (``Engine.set_weights``: in ``train.rl.rollout_layout``) with the sampled log-probabilities and, for an MoE
    model, every token's experts (``k3jax.rl.rollout``);
 3. rewards (``k3jax.rl.rewards``), DAPO's overlong penalty, group-relative advantages, dynamic sampling
    (groups whose rewards are all equal carry no signal: their rows get weight 0);
@@ -30,6 +30,7 @@ the run directory's logs, every process its checkpoint shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -207,14 +208,16 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     state = ready_state(state, mesh)
     # a full fine-tune's KL reference: its step-0 weights, also on resume (k3jax.rl.reference); else None
     reference = reference_weights(cfg, base, nnx.state(nnx.merge(graphdef, state).model), mesh)
-    # The engine decodes with the trainer's arrays (scanned layers, the training mesh and layout): no copy of
-    # the weights. Multi-turn: each turn resumes from its history's cached blocks (k3jax.rl.episodes)
+    # The engine decodes on the training mesh from the trainer's arrays (scanned layers): in the serving layout a
+    # copy made once per step (no weight moves in its decode steps), in the training layout the arrays themselves.
+    # Multi-turn: each turn resumes from its history's cached blocks (k3jax.rl.episodes)
     max_len = min(tc.seq_len + 1, cfg.model.max_seq_len)
     cache_tokens = (0 if policy.environment is None else
                     rl.rows * max_len if rl.prefix_cache_tokens is None else rl.prefix_cache_tokens)
     engine = Engine(nnx.merge(graphdef, state).model, max_batch=rl.rows, max_len=max_len, prefill_batch=rl.rows,
-                    mesh=mesh, unroll_layers=False, record_routes=True, layout="training",
+                    mesh=mesh, unroll_layers=False, record_routes=True, layout=rl.rollout_layout,
                     prefix_cache_tokens=cache_tokens)
+    engine.release_weights()
     step_fn = make_rl_step(graphdef, cfg, state_shardings=jax.tree.map(lambda x: x.sharding, state))
     score_fn = make_score_fn(graphdef, cfg, reference=reference)
     schedule = learning_rate_schedule(tc.optim, tc.steps)
@@ -222,15 +225,21 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
     # several processes: the update compiles everywhere before any runs it (the longest compile)
     step_fn = distributed.compiled_together(step_fn, barrier="k3jax_rl_step_compiled")
 
-    def use_weights(state) -> float:
+    @contextlib.contextmanager
+    def engine_on(state):
+        """The engine on ``state``'s weights while the body runs (yields the seconds they took to move into its
+        layout), then without them: a copy in the serving layout is freed before the update."""
         t = time.perf_counter()
         engine.set_weights(nnx.state(nnx.merge(graphdef, state).model))
-        return time.perf_counter() - t
+        try:
+            yield time.perf_counter() - t
+        finally:
+            engine.release_weights()
 
     result = {"eval_before": None, "eval_after": None, "interrupted": None, "record": {}}
     if start == 0 and eval_prompts is not None:
-        use_weights(state)
-        result["eval_before"] = evaluate(engine, policy, eval_prompts, cfg)
+        with engine_on(state):
+            result["eval_before"] = evaluate(engine, policy, eval_prompts, cfg)
         log.write({"step": 0, **result["eval_before"]})
         if main_process:
             tqdm.write(f"held-out reward before RL: {result['eval_before']}")
@@ -244,14 +253,14 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
         while step < tc.steps and not stop_signal:
             profiler.before(step + 1)
             record = {}
-            transfer_s = use_weights(state)
             prefilled, cached = engine.metrics.prefill_tokens, engine.metrics.prefix_hit_tokens
-            t0 = time.perf_counter()
-            records = next(iterator)
-            completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
-                                         temperature=rl.temperature,
-                                         seed=lambda row, turn, step=step: rollout_seed(tc.seed, step, row, turn))
-            t1 = time.perf_counter()
+            with engine_on(state) as transfer_s:
+                t0 = time.perf_counter()
+                records = next(iterator)
+                completions = policy.rollout(engine, records, cfg, group_size=rl.group_size,
+                                             temperature=rl.temperature,
+                                             seed=lambda row, turn, step=step: rollout_seed(tc.seed, step, row, turn))
+                t1 = time.perf_counter()
             group_records = [r for r in records for _ in range(rl.group_size)]
             rewards, per_fn = policy.score(group_records, completions)
             batch, record = rollout_batch(cfg, policy, group_records, completions, rewards)
@@ -306,8 +315,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
             result["record"] = record
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
             if rl.eval_every and step % rl.eval_every == 0 and step < tc.steps and eval_prompts is not None:
-                use_weights(state)
-                log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
+                with engine_on(state):
+                    log.write({"step": step, **evaluate(engine, policy, eval_prompts, cfg)})
             if step % tc.checkpoint_every == 0 or step == tc.steps or stop_signal:
                 saver.save(step, state)
         profiler.close()
@@ -322,8 +331,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
                        f"resume.")
         return result
     if eval_prompts is not None:
-        use_weights(state)
-        result["eval_after"] = evaluate(engine, policy, eval_prompts, cfg)
+        with engine_on(state):
+            result["eval_after"] = evaluate(engine, policy, eval_prompts, cfg)
         log.write({"step": step, **result["eval_after"]})
         if main_process:
             tqdm.write(f"held-out reward after RL: {result['eval_after']}")

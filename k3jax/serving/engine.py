@@ -163,6 +163,7 @@ class Engine:
     def _build(self, model: K3Model):
         graphdef, state = nnx.split(model)
         self._state = self._in_layout(state)
+        self._weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)  # what set_weights takes
         self._programs = Programs(graphdef, model.cfg, model.plan, max_batch=self.max_batch, max_len=self.max_len,
                                   prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
                                   widths=self._widths, mesh=self.mesh, record_routes=self.record_routes,
@@ -224,15 +225,16 @@ class Engine:
 
     def set_weights(self, state) -> None:
         """Decode from now on with ``state`` (``nnx.state`` of a model of the engine's structure: the trainer's
-        current weights in reinforcement learning). The arrays are used as they are, no copy: on the mesh the
-        engine was built for, in their own shardings. Only between requests: the engine must be idle."""
+        current weights in reinforcement learning), on the mesh the engine was built for. Arrays already in
+        the engine's layout are used as they are (no copy: an RL engine in the trainer's layout); the others are
+        copied into it (the time is logged). Only between requests: the engine must be idle."""
         if self.active_count() or self.queue_length() or self._inflight:
             raise RuntimeError("set_weights while requests are in flight")
-        old, new = jax.tree.structure(self._state), jax.tree.structure(state)
+        old, new = jax.tree.structure(self._weights), jax.tree.structure(state)
         if old != new:
             raise ValueError("set_weights: the state's structure differs from the engine's model (an engine for "
                              "new weights must be built with unroll_layers=False and the same adapters)")
-        for a, b in zip(jax.tree.leaves(self._state), jax.tree.leaves(state)):
+        for a, b in zip(jax.tree.leaves(self._weights), jax.tree.leaves(state)):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"set_weights: a weight of shape {b.shape} {b.dtype} replaces one of {a.shape} "
                                  f"{a.dtype}")
@@ -240,6 +242,13 @@ class Engine:
         if self.prefix_cache is not None:  # its snapshots are the old weights' caches
             self.prefix_cache.clear()
             self.metrics.prefix_cache_size(0)
+
+    def release_weights(self) -> None:
+        """Let go of the weights (an RL trainer's, between rollouts): a copy the engine made in its own layout
+        frees its device memory. The engine runs nothing until the next :meth:`set_weights`."""
+        if self.active_count() or self.queue_length() or self._inflight:
+            raise RuntimeError("release_weights while requests are in flight")
+        self._state = None
 
     # --- the client side (any thread) ----------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int, scoring: bool = False) -> None:
@@ -279,6 +288,8 @@ class Engine:
         request that cannot fit raises ValueError before any runs; a failed device call raises."""
         if self._thread is not None:
             raise RuntimeError("Engine.run is for an engine without its thread (do not start() it)")
+        if self._state is None:
+            raise RuntimeError("the engine's weights were released: set_weights first")
         for seq in seqs:
             self.check(len(seq.prompt), seq.params.max_tokens, seq.params.prompt_logprobs)
         with use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():

@@ -2,8 +2,8 @@
 greedy tokens (prefill, decode, prefix-cache hits) equal the single-device engine's for K3-, K2- and
 Kimi-Linear-like tiny models and MXFP4 experts; checkpoints load straight into the layout; and a compiled
 decode step in the serving layout moves activations only (its collective bytes within :func:`activation_bytes`), where training's layout gathers
-weights past that bound. Run by ``tests/test_serving_layout.py``; argv: ``engine NAME``, ``loading`` or
-``collectives``."""
+weights past that bound. Run by ``tests/test_serving_layout.py``; argv: ``engine NAME``, ``loading``,
+``collectives`` or ``rollout`` (an RL rollout in the serving layout samples what it samples in training's)."""
 
 import sys
 
@@ -85,6 +85,41 @@ def loading_check() -> None:
             print(path.rsplit("/", 1)[1], "loaded in the serving layout")
 
 
+def rollout_check() -> None:
+    """An RL rollout (``k3jax.rl.rollout.sample``: a recording engine fed the trainer's arrays, FSDP-split by the
+    training rules) in the serving layout (``train.rl.rollout_layout``: the weights moved once) samples what it
+    samples in the trainer's own layout: the same tokens and routes, log-probabilities to rounding; released
+    weights are dropped and the next set_weights moves them again."""
+    import numpy as np
+    from flax import nnx
+
+    from k3jax.rl.rollout import sample
+    from k3jax.sharding import place_state
+
+    cfg = load_config("tiny", WIDE)
+    mesh = make_mesh(parse_mesh("data=2,fsdp=4"))
+    with use_mesh(mesh):
+        trainer_state, _ = place_state(nnx.state(create_model(cfg.model, seed=1)), mesh)  # the training rules
+        graphdef = nnx.graphdef(create_model(cfg.model, seed=1))
+        out = {}
+        for layout in ("training", "serving"):
+            engine = Engine(nnx.merge(graphdef, trainer_state), max_batch=8, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                            prefill_batch=8, mesh=mesh, unroll_layers=False, record_routes=True, layout=layout)
+            engine.release_weights()
+            engine.set_weights(trainer_state)
+            same = [a is b for a, b in zip(jax.tree.leaves(engine._state), jax.tree.leaves(trainer_state))]
+            assert all(same) if layout == "training" else not all(same), layout  # serving: the split ones moved
+            out[layout] = sample(engine, [BASE, [5, 1, 2], BASE[:9] + [7], [4] + BASE], 2, max_new_tokens=NEW,
+                                 temperature=0.0, top_p=1.0, stop_ids=(), seeds=list(range(8)))
+            engine.release_weights()
+            assert engine._state is None
+    for a, b in zip(out["training"], out["serving"]):
+        assert a.tokens == b.tokens, (a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.routes, b.routes)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    print("rollout", [c.tokens for c in out["serving"]])
+
+
 def activation_bytes(cfg, batch: int) -> int:
     """What a decode step of ``batch`` tokens may move in the serving layout, per device: per layer, for each
     token, 8 residual-width vectors (the all-reduced outputs of row-parallel projections, the embedding),
@@ -116,5 +151,5 @@ if __name__ == "__main__":
     jax.config.update("jax_disable_most_optimizations", True)
     assert jax.device_count() == 8
     {"engine": lambda: engine_check(sys.argv[2]), "collectives": collectives_check,
-     "loading": loading_check}[sys.argv[1]]()
+     "loading": loading_check, "rollout": rollout_check}[sys.argv[1]]()
     print("OK")
