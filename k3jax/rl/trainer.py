@@ -42,7 +42,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from k3jax.config import Config, to_dict
+from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data.chat import reply_stop_ids
 from k3jax.model import moe_layers
 from k3jax.optim import learning_rate_schedule
@@ -182,6 +182,9 @@ def train_rl(cfg: Config, *, fresh: bool = False, reschedule: bool = False) -> d
     signal's name when stopped by one after saving, else None). On the mesh ``cfg.mesh`` over all devices of
     all processes; every process samples and scores the whole rollout (module docstring)."""
     cfg.validate()
+    if cfg.train.rl.rollout_layout == "serving" and jax.process_count() > 1:
+        raise ConfigError("train.rl.rollout_layout: serving runs on one process for now (its per-step copy of the "
+                          "weights does not yet run across processes); use training")
     out = storage.path(cfg.train.out_dir)
     with open_run_dir(out, fresh=fresh):
         mesh = make_mesh(cfg.mesh)
@@ -231,10 +234,8 @@ def _train_rl(cfg: Config, mesh, out, reschedule: bool) -> dict:
         layout), then without them: a copy in the serving layout is freed before the update."""
         t = time.perf_counter()
         engine.set_weights(nnx.state(nnx.merge(graphdef, state).model))
-        try:
-            yield time.perf_counter() - t
-        finally:
-            engine.release_weights()
+        yield time.perf_counter() - t
+        engine.release_weights()  # (a failed rollout stops the run: nothing to release)
 
     result = {"eval_before": None, "eval_after": None, "interrupted": None, "record": {}}
     if start == 0 and eval_prompts is not None:

@@ -301,6 +301,8 @@ class Engine:
                 self._live[seq.id] = seq
             while any(seq.finish_reason is None for seq in seqs):
                 self._iteration()
+            while self._inflight:  # a step queued before its rows stopped: read, for nobody
+                self._read_step()
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Stop a request (queued, prefilling or decoding); its row is freed before the next step.
