@@ -3,8 +3,9 @@
 Process 0 serves the API and broadcasts each iteration's schedule (``k3jax.serving.schedule``); process
 1 runs no server and follows it. Concurrent greedy requests through the ``openai`` client give the
 single-process outputs (``k3jax.generate`` on one device) token for token; process 1 ignores SIGTERM
-(process 0's drain decides); killing process 1 mid-stream stops process 0 with a clear error and
-``FAILED_EXIT_CODE`` within seconds instead of a hang; SIGTERM to process 0 drains it and both leave
+(process 0's drain decides); killing process 1 mid-stream stops process 0 within seconds instead of a
+hang, with a clear error and ``FAILED_EXIT_CODE`` (or JAX's abort, when its coordination service reports the
+dead process first); SIGTERM to process 0 drains it and both leave
 together (process 1 with code 0). Also the schedule's wire format on its own."""
 
 from __future__ import annotations
@@ -269,9 +270,15 @@ def test_two_process_server_matches_one_process_and_stops_when_a_process_dies(tm
             procs[0].wait(EXIT_BOUND_S)
         stopped_after = time.monotonic() - killed
         out = _log(tmp_path, 0)
-        assert procs[0].returncode == FAILED_EXIT_CODE, f"after {stopped_after:.1f} s: {out[-3000:]}"
-        assert "process 0 of 2 stops: a step of the multi-process server failed" in out, out[-3000:]
-        print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed")
+        # It stops by its own path (the failed step seen in a collective: exit FAILED_EXIT_CODE) or, when JAX's
+        # coordination service reports the dead process first (a busy machine delays the own path), by JAX's abort:
+        # both are the documented stop (k3jax/serving/server.py); a hang is neither.
+        if procs[0].returncode == FAILED_EXIT_CODE:
+            assert "process 0 of 2 stops: a step of the multi-process server failed" in out, out[-3000:]
+        else:
+            assert procs[0].returncode not in (None, 0), f"after {stopped_after:.1f} s: {out[-3000:]}"
+            assert "Terminating process because the JAX distributed service detected fatal errors" in out, out[-3000:]
+        print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed (exit {procs[0].returncode})")
 
 
 @pytest.mark.slow
