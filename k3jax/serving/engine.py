@@ -228,8 +228,7 @@ class Engine:
         current weights in reinforcement learning), on the mesh the engine was built for. Arrays already in
         the engine's layout are used as they are (no copy: an RL engine in the trainer's layout); the others are
         copied into it (the time is logged). Only between requests: the engine must be idle."""
-        if self.active_count() or self.queue_length() or self._inflight:
-            raise RuntimeError("set_weights while requests are in flight")
+        self._require_idle("set_weights")
         old, new = jax.tree.structure(self._weights), jax.tree.structure(state)
         if old != new:
             raise ValueError("set_weights: the state's structure differs from the engine's model (an engine for "
@@ -243,11 +242,14 @@ class Engine:
             self.prefix_cache.clear()
             self.metrics.prefix_cache_size(0)
 
+    def _require_idle(self, action: str) -> None:
+        if self.active_count() or self.queue_length() or self._inflight:
+            raise RuntimeError(f"{action} while requests are in flight")
+
     def release_weights(self) -> None:
         """Let go of the weights (an RL trainer's, between rollouts): a copy the engine made in its own layout
         frees its device memory. The engine runs nothing until the next :meth:`set_weights`."""
-        if self.active_count() or self.queue_length() or self._inflight:
-            raise RuntimeError("release_weights while requests are in flight")
+        self._require_idle("release_weights")
         self._state = None
 
     # --- the client side (any thread) ----------------------------------------------------------------
